@@ -1,0 +1,3 @@
+from ako.cli import main
+
+raise SystemExit(main())

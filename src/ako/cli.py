@@ -1,0 +1,127 @@
+"""`ako train | info`: parse, validate, call the API. Bad input: one line, exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ako.config import FIELDS, STRATEGIES, ConfigError, TrainConfig, load_toml, validate
+
+EXIT_BAD_INPUT, EXIT_FAILED = 2, 1
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (no usage dump) with exit status 2."""
+
+    def error(self, message):
+        raise ConfigError(message)
+
+
+# flag -> (help, argparse keywords); every flag maps to the TrainConfig field of the same name
+_FLAGS = {
+    "strategy": (f"synchronisation strategy: {', '.join(STRATEGIES)}", {}),
+    "workers": ("number of worker processes on this machine (under torchrun: its world size)", {}),
+    "dataset": ("fashion-mnist, mnist, digits, or auto (fashion-mnist if found, else digits)", {}),
+    "data_dir": ("directory with the IDX files (else $AKO_DATA_DIR, else /usr/share/datasets/<name>)", {}),
+    "train_samples": ("use only the first N training examples", {}),
+    "test_samples": ("use only the first N test examples", {}),
+    "model": ("mlp, cnn or resnet", {}),
+    "batch_size": ("mini-batch size per worker", {}),
+    "lr": ("learning rate (of the averaged gradient, for every strategy)", {}),
+    "momentum": ("SGD momentum", {}),
+    "nesterov": ("Nesterov momentum", {"action": "store_const", "const": True}),
+    "weight_decay": ("L2 weight decay", {}),
+    "epochs": ("stop after this many epochs (may be fractional)", {}),
+    "max_time": ("stop after this many seconds of training", {}),
+    "target_accuracy": ("stop when rank 0's test accuracy reaches this fraction, e.g. 0.85", {}),
+    "eval_every": ("evaluate every this many epochs", {}),
+    "partitions": ("ako: number of gradient partitions p, or auto", {}),
+    "staleness": ("ako: staleness bound s (0 = lock-step); default unbounded", {}),
+    "bandwidth": ("ako auto: link budget, e.g. 1Gbit or 100MB (default: measured)", {}),
+    "timeout": ("seconds any wait may take before the run fails", {}),
+    "seed": ("random seed (model initialisation and data order)", {}),
+    "backend": ("auto (nccl with CUDA, else gloo), gloo or nccl", {}),
+    "out_dir": ("where run directories are made", {}),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ako", description="Data-parallel training without parameter-server bottlenecks.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,info}")
+    train = commands.add_parser("train", help="train a model on N workers", description="Train a model on N workers.")
+    train.add_argument("--config", metavar="FILE", help="TOML file of settings; flags override it")
+    for name, (text, extra) in _FLAGS.items():
+        default = FIELDS[name].default
+        shown = "" if default is None or extra else f" (default: {default})"
+        train.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=text + shown, **extra)
+    train.add_argument("--no-progress", dest="progress", action="store_const", const=False, default=None)
+    commands.add_parser("info", help="list strategies, models and data sets, and where data is found")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """defaults < --config file < flags; validated."""
+    values = load_toml(args.config) if args.config else {}
+    for name in FIELDS:
+        given = getattr(args, name, None)
+        if given is not None:
+            values[name] = _none(name, given)
+    return validate(TrainConfig(**values))
+
+
+def _none(name: str, value):
+    """`--staleness none` etc.: the word none for the settings whose None means something."""
+    nullable = FIELDS[name].default is None
+    return None if nullable and isinstance(value, str) and value.lower() == "none" else value
+
+
+def cmd_info() -> int:
+    from ako.data import DATASETS, find_data_dir
+    from ako.models import MODELS
+
+    print(f"strategies: {', '.join(STRATEGIES)}")
+    print(f"models:     {', '.join(MODELS)}")
+    for name in DATASETS:
+        if name in ("fashion-mnist", "mnist"):
+            where = find_data_dir(name)
+            print(f"data set {name}: {where if where else 'not found'}")
+    print("data set digits: bundled with scikit-learn")
+    return 0
+
+
+def cmd_train(config: TrainConfig) -> int:
+    from ako.api import train
+    from ako.data import DataError
+    from ako.runtime.launcher import EXPECTED_FAILURES, WorkerFailed, one_line, under_elastic_agent
+
+    try:
+        train(config)
+    except (ConfigError, DataError):
+        raise
+    except WorkerFailed as e:
+        print(f"ako: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except EXPECTED_FAILURES as e:  # this process is a torchrun worker
+        if not under_elastic_agent():
+            raise
+        print(f"ako: worker rank {os.environ.get('RANK')}: {one_line(e)}", file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ako.data import DataError
+
+    try:
+        args = build_parser().parse_args(argv)
+        if args.command == "info":
+            return cmd_info()
+        return cmd_train(config_from_args(args))
+    except (ConfigError, DataError) as e:
+        print(f"ako: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("ako: interrupted", file=sys.stderr)
+        return 130
+

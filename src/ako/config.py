@@ -1,0 +1,187 @@
+"""Run configuration: one dataclass, TOML load and save, validation with one-line messages.
+
+Precedence: defaults < `--config file.toml` < command-line flags. `validate` checks everything
+that can be checked before a process starts, so bad input fails fast with `ConfigError` (the
+CLI prints its one-line message and exits with status 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import tomllib
+from dataclasses import dataclass, fields
+
+import tomli_w
+
+STRATEGIES = ("ako", "allreduce")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+class ConfigError(ValueError):
+    """Bad configuration; the message is one line naming the value and what is allowed."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything that defines a training run. Units: seconds, bytes per second, epochs."""
+
+    strategy: str = "ako"
+    workers: int = 2
+    dataset: str = "fashion-mnist"
+    data_dir: str | None = None
+    train_samples: int | None = None  # use only the first k training examples (quick runs)
+    test_samples: int | None = None
+    model: str = "cnn"
+    batch_size: int = 64  # per worker
+    lr: float = 0.05  # learning rate of the averaged gradient, for every strategy
+    momentum: float = 0.9
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    epochs: float = 2.0
+    max_time: float | None = None  # seconds of training
+    target_accuracy: float | None = None  # stop when rank 0's test accuracy reaches it
+    eval_every: float = 0.5  # epochs between evaluations
+    partitions: int | str = "auto"  # ako: p, or "auto"
+    staleness: int | None = None  # ako: bound s (0 = lock-step); None = unbounded
+    bandwidth: str | None = None  # link budget, e.g. "1Gbit" or "50MB"; measured when None
+    timeout: float = 60.0  # seconds any wait may take before the run fails
+    seed: int = 0
+    backend: str = "auto"
+    out_dir: str = "runs"
+    progress: bool = True
+
+    @property
+    def bandwidth_bytes(self) -> float | None:
+        """The link budget in bytes per second, or None to measure it."""
+        return None if self.bandwidth is None else parse_bandwidth(self.bandwidth)
+
+
+FIELDS = {f.name: f for f in fields(TrainConfig)}
+
+_UNITS = {"bit": 1 / 8, "b": 1 / 8, "byte": 1, "B": 1}
+_PREFIX = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+_BANDWIDTH = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKMGT]?)(bit|byte|b|B)?(?:/s|ps)?\s*$")
+
+
+def parse_bandwidth(text: str) -> float:
+    """Parse a link rate such as "1Gbit", "100Mbit/s", "12.5MB" or "800000" (bytes/s).
+
+    Returns bytes per second. Raises ConfigError for anything else or a rate <= 0.
+    """
+    match = _BANDWIDTH.match(str(text))
+    if not match:
+        raise ConfigError(
+            f"bandwidth {text!r}: expected a rate like 1Gbit, 100Mbit, 12.5MB or a number of bytes/s"
+        )
+    value, prefix, unit = match.groups()
+    rate = float(value) * _PREFIX[prefix] * _UNITS[unit or "B"]
+    if not rate > 0:
+        raise ConfigError(f"bandwidth {text!r}: must be greater than 0")
+    return rate
+
+
+def load_toml(path: str | os.PathLike) -> dict:
+    """Read a config file into a dict of TrainConfig fields. Raises ConfigError on unknown keys,
+    a missing file or TOML syntax errors."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r}: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(path)!r}: cannot read it ({e})") from None
+    unknown = sorted(set(data) - set(FIELDS))
+    if unknown:
+        raise ConfigError(
+            f"config file {str(path)!r}: unknown key {unknown[0]!r}; allowed: {', '.join(FIELDS)}"
+        )
+    return {key.replace("-", "_"): value for key, value in data.items()}
+
+
+def make_config(**values) -> TrainConfig:
+    """Build and validate a TrainConfig from keyword values. Raises ConfigError."""
+    unknown = sorted(set(values) - set(FIELDS))
+    if unknown:
+        raise ConfigError(f"unknown setting {unknown[0]!r}; allowed: {', '.join(FIELDS)}")
+    return validate(TrainConfig(**values))
+
+
+def validate(config: TrainConfig) -> TrainConfig:
+    """Check every field's type and range; return the config with values normalised
+    (e.g. partitions "3" -> 3). Raises ConfigError naming the first bad value."""
+    c = dataclasses.replace(config)
+    if c.strategy not in STRATEGIES:
+        raise ConfigError(f"unknown strategy {c.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    if c.backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {c.backend!r}: choose one of {', '.join(BACKENDS)}")
+    c.workers = _integer("workers", c.workers, low=1)
+    c.batch_size = _integer("batch_size", c.batch_size, low=1)
+    c.seed = _integer("seed", c.seed, low=0)
+    for name in ("train_samples", "test_samples"):
+        if getattr(c, name) is not None:
+            setattr(c, name, _integer(name, getattr(c, name), low=1))
+    c.lr = _number("lr", c.lr, low=0.0, low_open=True)
+    c.momentum = _number("momentum", c.momentum, low=0.0, high=1.0, high_open=True)
+    c.weight_decay = _number("weight_decay", c.weight_decay, low=0.0)
+    c.epochs = _number("epochs", c.epochs, low=0.0, low_open=True)
+    c.eval_every = _number("eval_every", c.eval_every, low=0.0, low_open=True)
+    c.timeout = _number("timeout", c.timeout, low=0.0, low_open=True)
+    if c.max_time is not None:
+        c.max_time = _number("max_time", c.max_time, low=0.0, low_open=True)
+    if c.target_accuracy is not None:
+        c.target_accuracy = _number("target_accuracy", c.target_accuracy, low=0.0, high=1.0, low_open=True)
+    if c.staleness is not None:
+        c.staleness = _integer("staleness", c.staleness, low=0)
+    if c.partitions != "auto":
+        c.partitions = _integer("partitions", c.partitions, low=1, hint=" or 'auto'")
+    if c.bandwidth is not None:
+        c.bandwidth = str(c.bandwidth)
+        parse_bandwidth(c.bandwidth)
+    if c.nesterov and c.momentum == 0:
+        raise ConfigError("nesterov needs momentum > 0")
+    for name in ("nesterov", "progress"):
+        if not isinstance(getattr(c, name), bool):
+            raise ConfigError(f"{name} {getattr(c, name)!r}: must be true or false")
+    for name in ("strategy", "dataset", "model", "out_dir"):
+        if not isinstance(getattr(c, name), str) or not getattr(c, name):
+            raise ConfigError(f"{name} {getattr(c, name)!r}: must be a non-empty string")
+    return c
+
+
+def _integer(name: str, value, low: int, hint: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"{name} {value!r}: must be an integer >= {low}{hint}")
+    try:
+        number = int(value)
+    except ValueError:
+        raise ConfigError(f"{name} {value!r}: must be an integer >= {low}{hint}") from None
+    if number < low:
+        raise ConfigError(f"{name} {value!r}: must be an integer >= {low}{hint}")
+    return number
+
+
+def _number(name, value, low, high=math.inf, low_open=False, high_open=False) -> float:
+    lo = f"> {low:g}" if low_open else f">= {low:g}"
+    hi = "" if high == math.inf else (f" and < {high:g}" if high_open else f" and <= {high:g}")
+    allowed = f"must be a number {lo}{hi}"
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{name} {value!r}: {allowed}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"{name} {value!r}: {allowed}") from None
+    below = number <= low if low_open else number < low
+    above = number >= high if high_open else number > high
+    if math.isnan(number) or below or above:
+        raise ConfigError(f"{name} {value!r}: {allowed}")
+    return number
+
+
+def to_toml(config: TrainConfig) -> str:
+    """The resolved config as TOML text (fields that are None are left out)."""
+    return tomli_w.dumps({k: v for k, v in dataclasses.asdict(config).items() if v is not None})

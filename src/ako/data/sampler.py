@@ -1,0 +1,125 @@
+"""Per-worker sharding of a data set into mini-batches, and batch fetching."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import Dataset, TensorDataset, default_collate
+
+# Multiplier that spreads (seed, epoch) pairs apart before seeding torch's generator.
+_EPOCH_STRIDE = 1_000_003
+_SEED_MODULUS = 2**64  # torch.Generator.manual_seed accepts values in [0, 2**64)
+
+
+class ShardSampler:
+    """Disjoint, equal-sized, per-epoch reshuffled shards of ``range(dataset_size)``.
+
+    For epoch ``e`` all workers draw the same permutation
+    ``torch.randperm(dataset_size, generator=Generator().manual_seed((seed * 1_000_003 + e)
+    mod 2**64))``; worker ``rank`` takes ``perm[rank::world_size][:dataset_size // world_size]``.
+    Shards are equal in size so every worker runs the same number of steps; the
+    ``dataset_size % world_size`` leftover samples of an epoch are skipped that epoch (which ones
+    changes from epoch to epoch). Batches are consecutive chunks of ``batch_size`` of the shard;
+    the last incomplete chunk is dropped.
+
+    Args:
+        dataset_size: number of examples N (>= 1).
+        rank: this worker, in ``[0, world_size)``.
+        world_size: number of workers (>= 1).
+        batch_size: examples per batch (>= 1).
+        seed: the run seed (any int).
+
+    Raises:
+        ValueError: an argument is out of range, or a shard holds fewer than ``batch_size``
+            examples (zero steps per epoch).
+    """
+
+    def __init__(self, dataset_size: int, rank: int, world_size: int, batch_size: int, seed: int):
+        _require(dataset_size >= 1, f"dataset_size must be >= 1, got {dataset_size}")
+        _require(world_size >= 1, f"world_size must be >= 1, got {world_size}")
+        _require(0 <= rank < world_size, f"rank must be in [0, {world_size}), got {rank}")
+        _require(batch_size >= 1, f"batch_size must be >= 1, got {batch_size}")
+        self.dataset_size = dataset_size
+        self.rank = rank
+        self.world_size = world_size
+        self.batch_size = batch_size
+        self.seed = seed
+        _require(
+            self.steps_per_epoch >= 1,
+            f"batch_size {batch_size} is larger than a worker's shard: dataset_size "
+            f"{dataset_size} // world_size {world_size} = {self.shard_size} examples",
+        )
+        self._cached_epoch: int | None = None
+        self._cached_indices = torch.empty(0, dtype=torch.int64)
+
+    @property
+    def shard_size(self) -> int:
+        """Examples per worker per epoch: ``dataset_size // world_size``."""
+        return self.dataset_size // self.world_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Batches per worker per epoch: ``shard_size // batch_size``."""
+        return self.shard_size // self.batch_size
+
+    def epoch_indices(self, epoch: int) -> torch.Tensor:
+        """This worker's shard for ``epoch`` (>= 0): int64 ``(shard_size,)``, a fresh tensor."""
+        return self._shard(epoch).clone()
+
+    def batches(self, epoch: int) -> Iterator[torch.Tensor]:
+        """The ``steps_per_epoch`` batches of ``epoch``, each int64 ``(batch_size,)``."""
+        shard = self.epoch_indices(epoch)
+        for step in range(self.steps_per_epoch):
+            yield shard[step * self.batch_size : (step + 1) * self.batch_size]
+
+    def batch(self, step: int) -> torch.Tensor:
+        """Indices int64 ``(batch_size,)`` for global step ``step`` (>= 0), counted from epoch 0.
+
+        The current epoch's shard is cached, so consecutive steps cost O(batch_size).
+        """
+        _require(step >= 0, f"step must be >= 0, got {step}")
+        epoch, position = divmod(step, self.steps_per_epoch)
+        start = position * self.batch_size
+        return self._shard(epoch)[start : start + self.batch_size].clone()
+
+    def _shard(self, epoch: int) -> torch.Tensor:
+        """The cached shard of ``epoch``; callers must not modify it."""
+        _require(epoch >= 0, f"epoch must be >= 0, got {epoch}")
+        if epoch != self._cached_epoch:
+            generator = torch.Generator().manual_seed(
+                (self.seed * _EPOCH_STRIDE + epoch) % _SEED_MODULUS
+            )
+            perm = torch.randperm(self.dataset_size, generator=generator)
+            shard = perm[self.rank :: self.world_size][: self.shard_size]
+            self._cached_indices = shard.contiguous()
+            self._cached_epoch = epoch
+        return self._cached_indices
+
+
+def fetch(dataset: Dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather the examples at ``indices`` (int64 ``(B,)``) as a batch ``(x (B, ...), y (B,))``.
+
+    A ``TensorDataset`` of two tensors is indexed directly (one gather per tensor); any other
+    map-style dataset whose items are ``(x, y)`` goes through ``default_collate``, one
+    ``dataset[i]`` call per example.
+
+    Raises:
+        ValueError: a ``TensorDataset`` does not hold exactly two tensors (x, y).
+        IndexError: an index is out of range.
+    """
+    if isinstance(dataset, TensorDataset):
+        if len(dataset.tensors) != 2:
+            raise ValueError(
+                f"fetch needs a TensorDataset of (x, y), got {len(dataset.tensors)} tensors"
+            )
+        x, y = dataset.tensors
+        return x.index_select(0, indices), y.index_select(0, indices)
+    x, y = default_collate([dataset[i] for i in indices.tolist()])
+    return x, y
+
+
+def _require(condition: bool, message: str) -> None:
+    """Raise ValueError(message) unless ``condition``."""
+    if not condition:
+        raise ValueError(message)

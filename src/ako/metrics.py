@@ -1,0 +1,142 @@
+"""Run outputs: the run directory, the evaluation log, time-to-accuracy and the summary.
+
+A run directory holds `config.toml` (the resolved config), `metrics.jsonl` (one JSON object per
+evaluation) and `summary.json`. Whole files are written through a temporary file and a rename;
+`metrics.jsonl` grows by whole lines, flushed as they are written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+ACCURACY_MILESTONES = (0.80, 0.85, 0.88, 0.90)
+
+
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same directory and a rename, so a
+    reader never sees a half-written file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def create_run_dir(out_dir: str | os.PathLike, strategy: str) -> Path:
+    """Make `out_dir/<YYYYmmdd-HHMMSS>-<strategy>[-k]/`, a fresh directory (never reused)."""
+    root = Path(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    stem = f"{time.strftime('%Y%m%d-%H%M%S')}-{strategy}"
+    for k in range(1, 1000):
+        path = root / (stem if k == 1 else f"{stem}-{k}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{root}: cannot make a new run directory named {stem}")
+
+
+class MetricsLog:
+    """Appends evaluation records to `metrics.jsonl` and keeps them for the summary."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.records: list[dict] = []
+
+    def append(self, record: dict) -> None:
+        self.records.append(record)
+        if self.path is not None:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def time_to_accuracy(records: list[dict], target: float) -> float | None:
+    """Training seconds at the first evaluation with test accuracy >= target, or None."""
+    return next((r["time"] for r in records if r["test_accuracy"] >= target), None)
+
+
+def milestones(records: list[dict], target: float | None) -> dict[str, float | None]:
+    """Time to each standard accuracy milestone and to the run's target, keyed "0.85" etc."""
+    levels = sorted(set(ACCURACY_MILESTONES) | ({target} if target else set()))
+    return {f"{a:g}": time_to_accuracy(records, a) for a in levels}
+
+
+def format_summary(s: dict) -> str:
+    """The summary as the lines printed at the end of a run."""
+    acc = f"{s['test_accuracy']:.4f} (rank 0's replica)"
+    if s.get("average_accuracy") is not None:
+        acc += f", {s['average_accuracy']:.4f} (average of the replicas)"
+    target = s.get("target_accuracy")
+    tta = ", ".join(
+        f"{float(k):.0%}: {'not reached' if v is None else f'{v:.1f} s'}" for k, v in s["time_to_accuracy"].items()
+    )
+    lines = [
+        f"ako {s['strategy']}: {s['workers']} workers, {s['model']} on {s['dataset']}, "
+        f"{s['epochs']:.2f} epochs in {s['train_seconds']:.1f} s of training ({s['wall_seconds']:.1f} s wall)",
+        f"  test accuracy    {acc}",
+        f"  time to accuracy {tta}" + ("" if target is None else f"  (target {target:.0%})"),
+        f"  throughput       {s['samples_per_second']:.0f} samples/s",
+        f"  sent per worker  {s['bytes_sent_per_worker_per_second'] / 1e6:.2f} MB/s "
+        f"(received {s['bytes_received_per_worker_per_second'] / 1e6:.2f} MB/s)",
+    ]
+    if "partitions" in s:
+        lines.append(f"  partitions       p = {s['partitions']} ({s['partitions_reason']})")
+    if s.get("run_dir"):
+        lines.append(f"  run directory    {s['run_dir']}")
+    return "\n".join(lines)
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+
+
+def build_summary(
+    strategy: str,
+    config,
+    workers: int,
+    dataset: str,
+    facts: dict,
+    records: list[dict],
+    final: dict,
+    average: tuple[float, float] | None,
+    per_worker: list[dict],
+    train_seconds: float,
+    wall_seconds: float,
+) -> dict:
+    """The run summary (summary.json). Rates are per second of training (rank 0's clock, which
+    leaves out its evaluations); bytes are per worker, averaged over the workers."""
+    samples = sum(w["samples"] for w in per_worker)
+    seconds = max(train_seconds, 1e-9)
+    summary = {
+        "strategy": strategy,
+        "workers": workers,
+        "model": config.model,
+        "dataset": dataset,
+        "epochs": final["epoch"],
+        "test_accuracy": final["test_accuracy"],
+        "test_loss": final["test_loss"],
+        "average_accuracy": None if average is None else round(average[1], 5),
+        "average_loss": None if average is None else round(average[0], 5),
+        "target_accuracy": config.target_accuracy,
+        "time_to_accuracy": milestones(records, config.target_accuracy),
+        "train_seconds": round(train_seconds, 3),
+        "wall_seconds": round(wall_seconds, 3),
+        "samples": samples,
+        "samples_per_second": round(samples / seconds, 1),
+        "bytes_sent_per_worker_per_second": round(sum(w["bytes_sent"] for w in per_worker) / workers / seconds),
+        "bytes_received_per_worker_per_second": round(
+            sum(w["bytes_received"] for w in per_worker) / workers / seconds
+        ),
+        "per_worker": per_worker,
+    }
+    summary.update({k: v for k, v in facts.items() if k != "steps"})
+    return summary

@@ -1,0 +1,116 @@
+"""Model registry: small classifiers for 28x28 (Fashion-MNIST, MNIST) and 8x8 (digits) images.
+
+Every model maps a batch `x` of shape (B, C, H, W), float32, to logits of shape (B, classes).
+The input shape and the class count come from the data set, so one name works for every data set.
+Normalisation layers are GroupNorm, not BatchNorm: a model's whole state is then its parameters,
+which is what the strategies exchange (BatchNorm's running statistics would stay per replica).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+MODELS: dict[str, Callable[[tuple[int, int, int], int], nn.Module]] = {}
+
+
+def register(name: str):
+    """Decorator: add `factory(input_shape, num_classes) -> nn.Module` to MODELS under `name`."""
+
+    def add(factory):
+        MODELS[name] = factory
+        return factory
+
+    return add
+
+
+def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    """Build the registered model `name` for inputs of shape (C, H, W) and `num_classes` classes.
+
+    Raises ValueError (one line, naming the choices) for an unknown name.
+    """
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
+    return MODELS[name](tuple(input_shape), num_classes)
+
+
+def _flat_size(features: nn.Module, input_shape: tuple[int, int, int]) -> int:
+    with torch.no_grad():
+        return features(torch.zeros(1, *input_shape)).shape[1]
+
+
+@register("mlp")
+def mlp(input_shape: tuple[int, int, int], num_classes: int, hidden: int = 256) -> nn.Module:
+    """Two hidden layers of `hidden` units with ReLU (235,146 parameters at 1x28x28 with 10 classes)."""
+    c, h, w = input_shape
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(c * h * w, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden // 2),
+        nn.ReLU(),
+        nn.Linear(hidden // 2, num_classes),
+    )
+
+
+@register("cnn")
+def cnn(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    """Two 3x3 conv layers (16, 32 channels, each + ReLU + 2x2 max-pool) and two fully connected
+    layers (128 hidden units): 206,922 parameters at 1x28x28 with 10 classes."""
+    features = nn.Sequential(
+        nn.Conv2d(input_shape[0], 16, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+    )
+    return nn.Sequential(
+        features,
+        nn.Linear(_flat_size(features, input_shape), 128),
+        nn.ReLU(),
+        nn.Linear(128, num_classes),
+    )
+
+
+class _Block(nn.Module):
+    """Basic residual block: two 3x3 convs with GroupNorm; 1x1 projection when the shape changes."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, cout, 3, stride, 1, bias=False),
+            nn.GroupNorm(8, cout),
+            nn.ReLU(),
+            nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
+            nn.GroupNorm(8, cout),
+        )
+        self.skip = (
+            nn.Identity()
+            if stride == 1 and cin == cout
+            else nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.GroupNorm(8, cout))
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.skip(x))
+
+
+@register("resnet")
+def resnet(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    """A small ResNet (ResNet-8 shape): a 16-channel stem, three residual stages of 16, 32 and 64
+    channels (the last two at stride 2), global average pooling, one linear layer: 77,754
+    parameters for 10 classes."""
+    return nn.Sequential(
+        nn.Conv2d(input_shape[0], 16, 3, padding=1, bias=False),
+        nn.GroupNorm(8, 16),
+        nn.ReLU(),
+        _Block(16, 16, 1),
+        _Block(16, 32, 2),
+        _Block(32, 64, 2),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, num_classes),
+    )

@@ -1,0 +1,96 @@
+"""What to train: the config plus the user's model factory and data sets, if any.
+
+A `Job` is pickled to every worker process, so a user's `model_fn` must be importable (a
+top-level function) and the data sets picklable. Both runtimes build replicas and data from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ako.config import ConfigError, TrainConfig
+from ako.data import DataError, load_dataset
+from ako.models import build_model
+from ako.replica import OptimizerConfig, Replica
+from ako.strategies import STRATEGIES, Strategy
+
+
+@dataclass
+class Data:
+    """Training and test sets with the input shape (C, H, W) and class count models need."""
+
+    train: torch.utils.data.Dataset
+    test: torch.utils.data.Dataset
+    input_shape: tuple[int, ...]
+    num_classes: int
+    name: str
+    notice: str | None = None
+
+
+@dataclass
+class Job:
+    """A training run: `config`, and optionally the user's own strategy, model factory
+    (`model_fn() -> nn.Module`) and map-style data sets `train_set`/`test_set` yielding
+    (x, label) pairs. When a data set is given, `config.dataset` is only a label."""
+
+    config: TrainConfig
+    strategy: Strategy | None = None
+    model_fn: Callable[[], nn.Module] | None = None
+    train_set: torch.utils.data.Dataset | None = None
+    test_set: torch.utils.data.Dataset | None = None
+
+    def __post_init__(self):
+        if self.strategy is None:
+            self.strategy = STRATEGIES[self.config.strategy]
+        if (self.train_set is None) != (self.test_set is None):
+            raise ConfigError("give both train_set and test_set, or neither")
+
+    def load_data(self) -> Data:
+        """The data sets: the user's, or the configured data set (raises DataError)."""
+        c = self.config
+        if self.train_set is not None:
+            x, _ = self.train_set[0]
+            classes = _count_classes(self.train_set)
+            return Data(self.train_set, self.test_set, tuple(x.shape), classes, c.dataset)
+        split = load_dataset(c.dataset, c.data_dir, c.train_samples, c.test_samples)
+        return Data(split.train, split.test, split.input_shape, split.num_classes, split.name, split.notice)
+
+    def build_replica(self, data: Data, device: torch.device) -> Replica:
+        """A replica with the model initialised from the run seed (identical on every worker)."""
+        torch.manual_seed(self.config.seed)
+        if self.model_fn is not None:
+            model = self.model_fn()
+        else:
+            model = build_model(self.config.model, data.input_shape, data.num_classes)
+        c = self.config
+        return Replica(model.to(device), OptimizerConfig(c.lr, c.momentum, c.nesterov, c.weight_decay))
+
+    def check(self) -> Data:
+        """Everything that can fail before processes start: the data files, the model, the
+        partition count against the parameter count, the batch size against the shard size.
+        Returns the loaded data. Raises ConfigError or DataError with a one-line message."""
+        data = self.load_data()
+        replica = self.build_replica(data, torch.device("cpu"))
+        c = self.config
+        if self.strategy.check is not None:
+            self.strategy.check(c, replica.numel)
+        shard = len(data.train) // c.workers
+        if c.batch_size > shard:
+            raise ConfigError(
+                f"batch_size {c.batch_size}: must be at most the per-worker shard of "
+                f"{len(data.train)} // {c.workers} workers = {shard} samples"
+            )
+        if len(data.test) == 0:
+            raise DataError(f"data set {data.name!r}: the test set is empty")
+        return data
+
+
+def _count_classes(dataset) -> int:
+    """Number of classes of a user's data set: 1 + the largest label."""
+    if isinstance(dataset, torch.utils.data.TensorDataset):
+        return int(dataset.tensors[1].max()) + 1
+    return 1 + max(int(dataset[i][1]) for i in range(len(dataset)))

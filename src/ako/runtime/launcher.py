@@ -1,0 +1,109 @@
+"""Start the workers of a job on this machine with torch's elastic launch machinery (what
+torchrun uses), and turn a failed worker into one line naming its rank and exit status."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import uuid
+from contextlib import contextmanager
+
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from ako.config import ConfigError
+from ako.data import DataError
+from ako.runtime.distributed import WorkerResult, run_worker
+from ako.runtime.job import Job
+from ako.strategies.ops import PeerLost
+
+# Failures a worker reports in one line; anything else is a bug and keeps its traceback.
+EXPECTED_FAILURES = (PeerLost, TimeoutError, DataError, ConfigError, dist.DistError, RuntimeError)
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process failed; the message names its rank and exit status."""
+
+
+def under_elastic_agent() -> bool:
+    """True inside a process started by torchrun (or torch's elastic agent)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
+def worker_entry(job: Job) -> WorkerResult:
+    """The function each launched process runs: a one-line report and exit status 1 on an
+    expected failure (set AKO_DEBUG=1 for the traceback)."""
+    try:
+        return run_worker(job)
+    except EXPECTED_FAILURES as e:
+        if os.environ.get("AKO_DEBUG"):
+            raise
+        print(f"ako: worker rank {os.environ.get('RANK', '?')}: {one_line(e)}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def launch(job: Job, workers: int) -> dict[int, WorkerResult]:
+    """Run `job` on `workers` local processes; returns each rank's result.
+
+    Raises WorkerFailed as soon as any worker fails (the others are stopped by the agent).
+    """
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=workers,
+        run_id=f"ako-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        rdzv_configs={"timeout": int(max(30, job.config.timeout))},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with _quiet_agent():
+        try:
+            return elastic_launch(config, worker_entry)(job)
+        except ChildFailedError as e:
+            raise WorkerFailed(describe_failures(e)) from None
+
+
+def describe_failures(error: ChildFailedError) -> str:
+    """One line: which rank failed first and how, and which others failed after it."""
+    first_rank, first = error.get_first_failure()
+    text = f"worker rank {first_rank} failed: {_exit_status(first.exitcode)}"
+    others = sorted(r for r in error.failures if r != first_rank)
+    if others:
+        text += f"; then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} stopped"
+    return text
+
+
+def _exit_status(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def one_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return (lines[0] if lines else type(e).__name__)[:300]
+
+
+@contextmanager
+def _quiet_agent():
+    """The elastic agent logs each failure with a traceback of its own; ako reports it in one line."""
+    names = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)

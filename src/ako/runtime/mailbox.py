@@ -1,0 +1,157 @@
+"""Asynchronous point-to-point messages on torch.distributed: a header, then a payload.
+
+A message is a header of five int64 (tag, step, aux, numel, dtype code) followed by a flat
+payload tensor of `numel` elements; nothing received is unpickled. Sends are `isend`s (a Gloo
+`send` blocks until the receiver posts its `recv`), so a worker never waits on a slow peer to
+send. One receive thread per peer posts `recv`s in a loop and files messages by tag: a peer
+that dies breaks its connection, its thread records that at once, and any wait on it fails
+with `PeerLost` naming the rank (an any-source `recv` would not notice a dead peer). Negative
+tags are the runtime's own: STOP (the target accuracy was reached) and CLOSE (the peer is done).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ako.strategies.ops import Message, PeerLost
+
+STOP, CLOSE, PROBE = -1, -2, -3
+_HEADER_TAG, _PAYLOAD_TAG = 1, 2
+_DTYPES = [torch.float32, torch.float64, torch.int64, torch.float16, torch.bfloat16]
+
+
+class Mailbox:
+    """This worker's sending side and inbox for point-to-point messages.
+
+    `group` is a process group used only for these messages, so their tags can never collide
+    with the collectives' internal tags. Counters: `bytes_sent` and `bytes_received` count
+    the payloads of strategy messages (tags >= 0); `header_bytes` counts every header sent.
+    """
+
+    def __init__(self, rank: int, peers: list[int], group, on_stop: Callable[[], None]):
+        self.rank, self.peers, self.group, self.on_stop = rank, peers, group, on_stop
+        self.queues: dict[int, deque[Message]] = {}
+        self.lost: dict[int, str] = {}
+        self.closed: set[int] = set()
+        self.cond = threading.Condition()
+        self.pending: list = []  # (work, tensors kept alive until the send completes)
+        self.bytes_sent = self.bytes_received = self.header_bytes = 0
+        self.threads = [
+            threading.Thread(target=self._receive, args=(peer,), name=f"ako-recv-{peer}", daemon=True)
+            for peer in peers
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, step: int = 0, aux: int = 0) -> None:
+        """Start sending `tensor` (flat, contiguous, CPU) to `dst`; returns at once."""
+        header = torch.tensor([tag, step, aux, tensor.numel(), _DTYPES.index(tensor.dtype)], dtype=torch.int64)
+        works = [dist.isend(header, dst, group=self.group, tag=_HEADER_TAG)]
+        if tensor.numel():
+            works.append(dist.isend(tensor, dst, group=self.group, tag=_PAYLOAD_TAG))
+        self.pending = [p for p in self.pending if not p[0].is_completed()]
+        self.pending.extend((w, (header, tensor)) for w in works)
+        if tag >= 0:  # the runtime's own messages are not training traffic
+            self.bytes_sent += tensor.numel() * tensor.element_size()
+        self.header_bytes += header.numel() * header.element_size()
+
+    def get(self, tag: int, src: int | None, timeout: float) -> Message:
+        """Wait up to `timeout` seconds for the next message with `tag` (from `src`, or any).
+
+        Raises PeerLost when the awaited peer (or, for any source, every peer that could still
+        send) is gone, and TimeoutError after `timeout` seconds of silence.
+        """
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                message = self._take(tag, src)
+                if message is not None:
+                    return message
+                self._raise_if_lost(src)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    who = "any peer" if src is None else f"worker rank {src}"
+                    raise TimeoutError(f"no message from {who} for {timeout:g} s (tag {tag})")
+                self.cond.wait(left)
+
+    def poll(self, tag: int) -> list[Message]:
+        """Every message with `tag` received so far, oldest first. Raises PeerLost if a peer is gone."""
+        with self.cond:
+            self._raise_if_lost(None)
+            queue = self.queues.get(tag)
+            if not queue:
+                return []
+            messages = list(queue)
+            queue.clear()
+            return messages
+
+    def close(self, timeout: float) -> None:
+        """Tell every peer we are done, wait for theirs and for our sends to complete."""
+        for peer in self.peers:
+            if peer not in self.lost:
+                self.send(torch.empty(0), peer, CLOSE)
+        deadline = time.monotonic() + timeout
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for work, _ in self.pending:
+            if not work.is_completed():
+                work.wait(timedelta(seconds=max(0.1, deadline - time.monotonic())))
+        self.pending = []
+
+    def _take(self, tag: int, src: int | None) -> Message | None:
+        queue = self.queues.get(tag)
+        if not queue:
+            return None
+        if src is None:
+            return queue.popleft()
+        for i, message in enumerate(queue):
+            if message.src == src:
+                del queue[i]
+                return message
+        return None
+
+    def _raise_if_lost(self, src: int | None) -> None:
+        if src is not None and src in self.lost:
+            raise PeerLost(src, self.lost[src])
+        if src is None and self.lost:
+            rank = min(self.lost)
+            raise PeerLost(rank, self.lost[rank])
+
+    def _receive(self, peer: int) -> None:
+        header = torch.empty(5, dtype=torch.int64)
+        try:
+            while True:
+                dist.recv(header, peer, group=self.group, tag=_HEADER_TAG)
+                tag, step, aux, numel, dtype = header.tolist()
+                if tag == CLOSE:
+                    with self.cond:
+                        self.closed.add(peer)
+                        self.cond.notify_all()
+                    return
+                payload = torch.empty(numel, dtype=_DTYPES[dtype])
+                if numel:
+                    dist.recv(payload, peer, group=self.group, tag=_PAYLOAD_TAG)
+                if tag == STOP:
+                    self.on_stop()
+                    continue
+                with self.cond:
+                    if tag >= 0:
+                        self.bytes_received += payload.numel() * payload.element_size()
+                    self.queues.setdefault(tag, deque()).append(Message(peer, tag, step, aux, payload))
+                    self.cond.notify_all()
+        except Exception as e:  # the connection broke: the peer died or went away
+            with self.cond:
+                self.lost[peer] = _first_line(e)
+                self.cond.notify_all()
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else type(e).__name__

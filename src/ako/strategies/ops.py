@@ -1,0 +1,104 @@
+"""The operations a strategy program yields to its runtime (DESIGN.md, "strategy programming model").
+
+A strategy is a generator function `worker(ctx)` that yields these operations and receives their
+results, like a SimPy process. The distributed runtime carries them out on torch.distributed; the
+simulated runtime carries out the same math and charges their time from a cost model. Anything
+that costs time or crosses the network is an operation; updating the replica is plain tensor code.
+
+Tensors handed to `Send` and `AllReduce` are flat, contiguous float32 vectors. After a `Send`
+the runtime owns the tensor until it is delivered: the program must not modify it (send a clone
+of a buffer it keeps using).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Forward and backward on the worker's next mini-batch, with the replica's parameters as
+    they are when the operation starts. Result: `Gradient`."""
+
+
+@dataclass(frozen=True)
+class Gradient:
+    """Result of `Compute`: `grad` (numel,) is the replica's gradient buffer, valid until the
+    next `Compute`; `loss` is the mini-batch mean loss; `samples` the mini-batch size."""
+
+    grad: torch.Tensor
+    loss: float
+    samples: int
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send `tensor` to worker `dst` without waiting. `tag` (>= 0) selects the receiver's queue;
+    `step` and `aux` are two integers that travel in the message header. Result: None."""
+
+    tensor: torch.Tensor
+    dst: int
+    tag: int
+    step: int = 0
+    aux: int = 0
+
+
+@dataclass(frozen=True)
+class Message:
+    """A received message: sender rank, tag, the sender's `step` and `aux`, and the payload."""
+
+    src: int
+    tag: int
+    step: int
+    aux: int
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Recv:
+    """Wait for the next message with `tag` (from `src`, or from anyone when None), up to the
+    run's timeout. Result: `Message`. Raises `PeerLost` when the awaited peer is gone."""
+
+    tag: int
+    src: int | None = None
+
+
+@dataclass(frozen=True)
+class Poll:
+    """Take every message with `tag` that has arrived, without waiting. Result: list[Message]."""
+
+    tag: int
+
+
+@dataclass(frozen=True)
+class AllReduce:
+    """Reduce `tensor` over all workers, in place ("sum" or "max"). Result: the tensor."""
+
+    tensor: torch.Tensor
+    op: Literal["sum", "max"] = "sum"
+
+
+@dataclass(frozen=True)
+class Now:
+    """Result: seconds since training started on the runtime's clock (wall or virtual)."""
+
+
+@dataclass(frozen=True)
+class MeasureStep:
+    """Result: seconds one `Compute` takes on this worker (measured, or from the cost model)."""
+
+
+@dataclass(frozen=True)
+class MeasureBandwidth:
+    """Result: bytes per second this worker's link carries (measured, or from the cost model)."""
+
+
+class PeerLost(RuntimeError):
+    """A peer worker died or disconnected; `rank` names it."""
+
+    def __init__(self, rank: int, reason: str):
+        super().__init__(f"lost worker rank {rank}: {reason}")
+        self.rank = rank
