@@ -16,6 +16,9 @@ from dataclasses import dataclass, fields
 
 import tomli_w
 
+from ako.data.datasets import DATASETS
+from ako.models import MODELS
+
 STRATEGIES = ("ako", "allreduce")
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -117,6 +120,10 @@ def validate(config: TrainConfig) -> TrainConfig:
     c = dataclasses.replace(config)
     if c.strategy not in STRATEGIES:
         raise ConfigError(f"unknown strategy {c.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    if c.model not in MODELS:
+        raise ConfigError(f"unknown model {c.model!r}: choose one of {', '.join(MODELS)}")
+    if c.dataset not in DATASETS:
+        raise ConfigError(f"unknown data set {c.dataset!r}: choose one of {', '.join(DATASETS)}")
     if c.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {c.backend!r}: choose one of {', '.join(BACKENDS)}")
     c.workers = _integer("workers", c.workers, low=1)

@@ -138,5 +138,5 @@ def build_summary(
         ),
         "per_worker": per_worker,
     }
-    summary.update({k: v for k, v in facts.items() if k != "steps"})
+    summary.update({k: v for k, v in facts.items() if k != "steps" and isinstance(v, (str, int, float, bool))})
     return summary

@@ -8,6 +8,7 @@ carries out the strategy program's operations (`DistributedRuntime.run`).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import statistics
 import sys
@@ -22,7 +23,7 @@ from ako.config import to_toml
 from ako.data import fetch
 from ako.metrics import MetricsLog, build_summary, create_run_dir, format_summary, write_atomic, write_summary
 from ako.runtime.job import Job
-from ako.runtime.mailbox import PROBE, STOP, Mailbox
+from ako.runtime.mailbox import PROBE, STOP, Mailbox, comm_error
 from ako.runtime.worker import Clock, WorkerState
 from ako.strategies import WorkerContext
 from ako.strategies.ops import (
@@ -114,6 +115,7 @@ class DistributedRuntime:
                 x, y = self.state.next_batch()
                 x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
                 loss = self.state.replica.compute_gradient(x, y)
+                self.state.computed(loss)
                 return Gradient(self.state.replica.grad, loss, len(y))
             case Send(tensor, dst, tag, step, aux):
                 self.mailbox.send(tensor.cpu(), dst, tag, step, aux)
@@ -137,13 +139,22 @@ class DistributedRuntime:
             return message
         return type(message)(message.src, message.tag, message.step, message.aux, message.tensor.to(self.device))
 
-    def all_reduce(self, tensor: torch.Tensor, reduce: str = "sum") -> torch.Tensor:
-        """In-place all-reduce with a deadline of `timeout` seconds."""
-        work = dist.all_reduce(tensor, op=_REDUCE_OPS[reduce], async_op=True)
-        work.wait(timedelta(seconds=self.timeout))
-        n = self.world_size
-        self.collective_bytes += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
+    def all_reduce(self, tensor: torch.Tensor, reduce: str = "sum", count: bool = True) -> torch.Tensor:
+        """In-place all-reduce with a deadline of `timeout` seconds; `count` adds its bytes to
+        the traffic counters (not for the runtime's own barriers)."""
+        try:
+            work = dist.all_reduce(tensor, op=_REDUCE_OPS[reduce], async_op=True)
+            work.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            raise RuntimeError(f"all-reduce failed, a worker is gone or stuck: {comm_error(e)}") from None
+        if count:
+            n = self.world_size
+            self.collective_bytes += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
         return tensor
+
+    def barrier(self) -> None:
+        """Wait until every worker gets here (at most `timeout` seconds)."""
+        self.all_reduce(torch.zeros(1), count=False)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         dist.broadcast(tensor, src, async_op=True).wait(timedelta(seconds=self.timeout))
@@ -172,7 +183,7 @@ class DistributedRuntime:
         probe = torch.zeros(_PROBE_BYTES // 4)
         best = 0.0
         for _ in range(repeats):
-            self.all_reduce(torch.zeros(1))  # start together
+            self.barrier()  # start together
             t = time.perf_counter()
             self.mailbox.send(probe, (self.rank + 1) % n, PROBE)
             self.mailbox.get(PROBE, (self.rank - 1) % n, self.timeout)
@@ -206,12 +217,19 @@ def pick_device(backend: str) -> tuple[str, torch.device]:
     return "gloo", torch.device("cpu")
 
 
+def name_process(name: str) -> None:
+    """Show `name` as this process's name in ps and top (Linux), so ranks can be told apart."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME
+
+
 def run_worker(job: Job) -> WorkerResult:
     """Train as one worker of the job whose group the elastic agent's environment describes."""
     torch.set_num_threads(1)  # one thread per worker process: more oversubscribes the cores
     config = job.config
     backend, device = pick_device(config.backend)
     rank, world = join_process_group(config.timeout, backend)
+    name_process(f"ako-rank{rank}")
     try:
         return _train(job, rank, world, device)
     finally:
@@ -236,7 +254,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device) -> WorkerResul
         config, rank, world, data.train, data.test, replica, clock, log, runtime.bytes_moved, runtime.request_stop
     )
     ctx = WorkerContext(rank, world, replica, config, state.should_stop)
-    runtime.all_reduce(torch.zeros(1))  # start the clocks together
+    runtime.barrier()  # start the clocks together
     clock.begin()
     facts = runtime.run(strategy.worker, ctx, state)
     clock.stop()
@@ -248,11 +266,10 @@ def _train(job: Job, rank: int, world: int, device: torch.device) -> WorkerResul
     dist.all_gather(every, counts, async_op=True).wait(timedelta(seconds=config.timeout))
     average = None
     if strategy.decentralised:
-        average = runtime.all_reduce(replica.params.clone()).div_(world)
+        average = runtime.all_reduce(replica.params.clone(), count=False).div_(world)
     summary = None
     if rank == 0:
-        final = state.evaluate(final=True)
-        state.close()
+        final = state.finish()
         workers = [
             {"rank": r, "steps": int(c[0]), "samples": int(c[1]), "bytes_sent": int(c[2]), "bytes_received": int(c[3])}
             for r, c in enumerate(every)

@@ -35,7 +35,7 @@ class Data:
 class Job:
     """A training run: `config`, and optionally the user's own strategy, model factory
     (`model_fn() -> nn.Module`) and map-style data sets `train_set`/`test_set` yielding
-    (x, label) pairs. When a data set is given, `config.dataset` is only a label."""
+    (x, label) pairs. When data sets are given, `config.dataset` is ignored."""
 
     config: TrainConfig
     strategy: Strategy | None = None
@@ -55,7 +55,7 @@ class Job:
         if self.train_set is not None:
             x, _ = self.train_set[0]
             classes = _count_classes(self.train_set)
-            return Data(self.train_set, self.test_set, tuple(x.shape), classes, c.dataset)
+            return Data(self.train_set, self.test_set, tuple(x.shape), classes, "custom")
         split = load_dataset(c.dataset, c.data_dir, c.train_samples, c.test_samples)
         return Data(split.train, split.test, split.input_shape, split.num_classes, split.name, split.notice)
 

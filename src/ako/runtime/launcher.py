@@ -97,7 +97,7 @@ def one_line(e: BaseException) -> str:
 @contextmanager
 def _quiet_agent():
     """The elastic agent logs each failure with a traceback of its own; ako reports it in one line."""
-    names = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher")
+    names = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher", "torchelastic-events-null")
     loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:

@@ -11,6 +11,7 @@ tags are the runtime's own: STOP (the target accuracy was reached) and CLOSE (th
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import deque
@@ -53,9 +54,12 @@ class Mailbox:
     def send(self, tensor: torch.Tensor, dst: int, tag: int, step: int = 0, aux: int = 0) -> None:
         """Start sending `tensor` (flat, contiguous, CPU) to `dst`; returns at once."""
         header = torch.tensor([tag, step, aux, tensor.numel(), _DTYPES.index(tensor.dtype)], dtype=torch.int64)
-        works = [dist.isend(header, dst, group=self.group, tag=_HEADER_TAG)]
-        if tensor.numel():
-            works.append(dist.isend(tensor, dst, group=self.group, tag=_PAYLOAD_TAG))
+        try:
+            works = [dist.isend(header, dst, group=self.group, tag=_HEADER_TAG)]
+            if tensor.numel():
+                works.append(dist.isend(tensor, dst, group=self.group, tag=_PAYLOAD_TAG))
+        except RuntimeError as e:
+            raise PeerLost(dst, comm_error(e)) from None
         self.pending = [p for p in self.pending if not p[0].is_completed()]
         self.pending.extend((w, (header, tensor)) for w in works)
         if tag >= 0:  # the runtime's own messages are not training traffic
@@ -148,10 +152,12 @@ class Mailbox:
                     self.cond.notify_all()
         except Exception as e:  # the connection broke: the peer died or went away
             with self.cond:
-                self.lost[peer] = _first_line(e)
+                self.lost[peer] = comm_error(e)
                 self.cond.notify_all()
 
 
-def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:200] if text else type(e).__name__
+def comm_error(e: BaseException) -> str:
+    """A communication error in one short line: Gloo's source location and advice dropped."""
+    lines = str(e).strip().splitlines()
+    text = re.sub(r"^\[[^\]]*\]\s*", "", lines[0] if lines else type(e).__name__)
+    return text.split(". This is typically")[0][:200]

@@ -3,10 +3,12 @@ rank 0) the evaluations that make the metrics log and the progress bar."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
+import torch
 from tqdm import tqdm
 
 from ako.config import TrainConfig
@@ -50,9 +52,11 @@ class Clock:
 class WorkerState:
     """Where a worker is in its shard, and whether it should stop.
 
-    Every `eval_every` epochs of rank 0's progress, rank 0 evaluates its replica on the test set
-    before the next mini-batch and appends a record to the metrics log; reaching the target
-    accuracy calls `on_target` (which tells the other workers) and makes `should_stop` true.
+    Every `eval_every` epochs of rank 0's progress, rank 0 takes a snapshot of its replica
+    before the next mini-batch. With a target accuracy the snapshot is evaluated at once on the
+    test set (clock paused), and reaching the target calls `on_target` (which tells the other
+    workers) and makes `should_stop` true. Without one, snapshots are evaluated after training,
+    so evaluation never slows training down.
     """
 
     def __init__(
@@ -78,9 +82,10 @@ class WorkerState:
         self.step = 0
         self.samples = 0
         self.stop_requested = False
-        self.last_eval_step: int | None = None
+        self.snapshots: list[tuple[dict, torch.Tensor]] = []  # awaiting evaluation
         self.bar = None
         if rank == 0:
+            tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock: a killed worker would leak it
             self.bar = tqdm(total=self.planned_steps, unit="step", disable=None if config.progress else True)
 
     @property
@@ -88,15 +93,20 @@ class WorkerState:
         return self.step / self.sampler.steps_per_epoch
 
     def next_batch(self):
-        """The next mini-batch (x (B, C, H, W), y (B,)); evaluates first when one is due."""
+        """The next mini-batch (x (B, C, H, W), y (B,)); takes an evaluation snapshot first
+        when one is due."""
         if self.log is not None and self.step % self.eval_steps == 0:
-            self.evaluate()
+            self.snapshot()
         x, y = fetch(self.train_set, self.sampler.batch(self.step))
         self.step += 1
         self.samples += len(y)
-        if self.bar is not None:
-            self.bar.update()
         return x, y
+
+    def computed(self, loss: float) -> None:
+        """Called after each gradient: moves the progress bar (rank 0)."""
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", epoch=f"{self.epoch:.2f}", refresh=False)
+            self.bar.update()
 
     def should_stop(self) -> bool:
         limit = self.config.max_time
@@ -106,32 +116,46 @@ class WorkerState:
             or (limit is not None and self.clock.now() >= limit)
         )
 
-    def evaluate(self, final: bool = False) -> dict:
-        """Evaluate rank 0's replica now (clock paused) and log it; returns the record. The
-        final evaluation, after training, does not look at the target."""
-        with self.clock.pause():
-            loss, accuracy = self.replica.evaluate(self.test_set)
+    def _progress_record(self) -> dict:
         sent, received = self.traffic()
-        record = {
+        return {
             "time": round(self.clock.now(), 4),
             "wall": round(self.clock.wall(), 4),
             "epoch": round(self.epoch, 4),
             "samples": self.step * self.config.batch_size * self.world_size,
-            "test_loss": round(loss, 5),
-            "test_accuracy": round(accuracy, 5),
             "bytes_sent": sent,
             "bytes_received": received,
         }
-        self.log.append(record)
-        self.last_eval_step = self.step
-        if self.bar is not None:
-            self.bar.set_postfix(acc=f"{accuracy:.4f}", epoch=f"{self.epoch:.2f}", refresh=False)
-        target = self.config.target_accuracy
-        if not final and target is not None and accuracy >= target and not self.stop_requested:
-            self.stop_requested = True
-            self.on_target()
-        return record
 
-    def close(self) -> None:
+    def snapshot(self) -> None:
+        """Record rank 0's replica and progress now, for evaluation now or after training."""
+        self.snapshots.append((self._progress_record(), self.replica.params.clone()))
+        if self.config.target_accuracy is not None:
+            with self.clock.pause():
+                accuracy = self.evaluate_snapshots()
+            if accuracy >= self.config.target_accuracy and not self.stop_requested:
+                self.stop_requested = True
+                self.on_target()
+
+    def evaluate_snapshots(self) -> float:
+        """Evaluate and log the snapshots not yet evaluated; returns the last accuracy."""
+        accuracy = 0.0
+        final = self.replica.params.clone()
+        for record, params in self.snapshots:
+            self.replica.params.copy_(params)
+            loss, accuracy = self.replica.evaluate(self.test_set)
+            self.log.append({**record, "test_loss": round(loss, 5), "test_accuracy": round(accuracy, 5)})
+        self.replica.params.copy_(final)
+        self.snapshots = []
+        if self.bar is not None:
+            self.bar.set_postfix(acc=f"{accuracy:.4f}", epoch=f"{self.epoch:.2f}")
+        return accuracy
+
+    def finish(self) -> dict:
+        """After training (clock stopped): evaluate the remaining snapshots and the final
+        replica; returns the final record."""
         if self.bar is not None:
             self.bar.close()
+        self.snapshots.append((self._progress_record(), self.replica.params.clone()))
+        self.evaluate_snapshots()
+        return self.log.records[-1]

@@ -60,7 +60,8 @@ def worker(ctx):
         inbox.add((yield Recv(TAG)))
     update.zero_()
     inbox.apply(update, up_to=None)
-    replica.step(update.div_(n))
+    if update.any():  # nothing left (p = 1, lock-step) means no extra optimizer step
+        replica.step(update.div_(n))
     return {"steps": t, "partitions": p, "partitions_reason": reason}
 
 

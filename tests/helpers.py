@@ -1,0 +1,76 @@
+"""Shared pieces of the distributed tests: small configs, a gradient-recording strategy, and
+the single-process SGD reference."""
+
+from __future__ import annotations
+
+import torch
+
+from ako import TrainConfig
+from ako.data import ShardSampler, fetch, load_dataset
+from ako.models import build_model
+from ako.replica import OptimizerConfig, Replica
+from ako.strategies import Strategy
+from ako.strategies import ako as ako_strategy
+from ako.strategies.ops import Compute
+
+
+def small_config(tmp_path, **overrides) -> TrainConfig:
+    """2 workers, the cnn on a slice of digits, a handful of steps, no progress bar."""
+    values = dict(
+        workers=2,
+        dataset="digits",
+        model="cnn",
+        train_samples=384,
+        test_samples=60,
+        batch_size=16,
+        epochs=0.5,  # 384 / 2 / 16 = 12 steps per epoch -> 6 steps
+        eval_every=10.0,
+        lr=0.05,
+        momentum=0.9,
+        weight_decay=1e-3,
+        timeout=30.0,
+        out_dir=str(tmp_path / "runs"),
+        progress=False,
+    )
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+def record_gradients(program, ctx):
+    """Run `program` unchanged and add to its facts the sum of every gradient it computed."""
+    total = torch.zeros(ctx.replica.numel, dtype=torch.float64)
+    gen, result = program(ctx), None
+    while True:
+        try:
+            op = gen.send(result)
+        except StopIteration as done:
+            return {**(done.value or {}), "grad_sum": total}
+        result = yield op
+        if isinstance(op, Compute):
+            total += result.grad
+
+
+def _recorded_ako(ctx):
+    return (yield from record_gradients(ako_strategy.worker, ctx))
+
+
+RECORDED_AKO = Strategy("ako", _recorded_ako, decentralised=True, check=ako_strategy.check)
+
+
+def single_process_sgd(config: TrainConfig, steps: int) -> torch.Tensor:
+    """Flat parameters after `steps` steps of SGD on the union of the workers' mini-batches
+    (each step: the n workers' batches of that step, concatenated)."""
+    split = load_dataset(config.dataset, config.data_dir, config.train_samples, config.test_samples)
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, split.input_shape, split.num_classes)
+    replica = Replica(model, OptimizerConfig(config.lr, config.momentum, config.nesterov, config.weight_decay))
+    samplers = [
+        ShardSampler(len(split.train), r, config.workers, config.batch_size, config.seed)
+        for r in range(config.workers)
+    ]
+    for t in range(steps):
+        idx = torch.cat([s.batch(t) for s in samplers])
+        x, y = fetch(split.train, idx)
+        replica.compute_gradient(x, y)
+        replica.step(replica.grad.clone())
+    return replica.params.clone()

@@ -1,0 +1,122 @@
+"""Bad input: one line on stderr naming the value, exit status 2, no run directory."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ako.cli import main
+from ako.data import write_idx
+
+import numpy as np
+
+
+@pytest.fixture
+def out_dir(tmp_path):
+    return tmp_path / "runs"
+
+
+def run_cli(args, out_dir, capsys):
+    code = main(["train", "--out-dir", str(out_dir), "--dataset", "digits", *args])
+    err = capsys.readouterr().err
+    return code, err
+
+
+def corrupt_data_dir(tmp_path):
+    """A Fashion-MNIST directory whose training images file is cut short."""
+    d = tmp_path / "data"
+    d.mkdir()
+    images = np.zeros((20, 28, 28), np.uint8)
+    labels = np.arange(20, dtype=np.uint8) % 10
+    write_idx(d / "train-images-idx3-ubyte", images, gz=False)
+    write_idx(d / "train-labels-idx1-ubyte", labels, gz=False)
+    write_idx(d / "t10k-images-idx3-ubyte", images, gz=False)
+    write_idx(d / "t10k-labels-idx1-ubyte", labels, gz=False)
+    raw = (d / "train-images-idx3-ubyte").read_bytes()
+    (d / "train-images-idx3-ubyte").write_bytes(raw[:-100])
+    return d
+
+
+BAD_INPUT = [
+    (["--strategy", "sync"], "unknown strategy 'sync': choose one of"),
+    (["--model", "vgg"], "unknown model 'vgg': choose one of mlp, cnn, resnet"),
+    (["--dataset", "cifar"], "unknown data set 'cifar': choose one of"),
+    (["--workers", "0"], "workers '0': must be an integer >= 1"),
+    (["--workers", "two"], "workers 'two': must be an integer >= 1"),
+    (["--partitions", "0"], "partitions '0': must be an integer >= 1 or 'auto'"),
+    (["--partitions", "100000000"], "partitions 100000000: must be at most the model's parameter count 22602"),
+    (["--lr", "0"], "lr '0': must be a number > 0"),
+    (["--lr", "-0.1"], "lr '-0.1': must be a number > 0"),
+    (["--batch-size", "0"], "batch_size '0': must be an integer >= 1"),
+    (["--batch-size", "5000"], "batch_size 5000: must be at most the per-worker shard"),
+    (["--momentum", "1.5"], "momentum '1.5': must be a number >= 0 and < 1"),
+    (["--target-accuracy", "85"], "target_accuracy '85': must be a number > 0 and <= 1"),
+    (["--bandwidth", "fast"], "bandwidth 'fast': expected a rate like 1Gbit"),
+    (["--epochs", "nan"], "epochs 'nan': must be a number > 0"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_bad_flag_is_one_line_exit_2_and_writes_nothing(args, message, out_dir, capsys):
+    code, err = run_cli(args, out_dir, capsys)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("ako: error: "), err
+    assert message in err
+    assert not out_dir.exists()
+
+
+def test_missing_data_files(tmp_path, out_dir, capsys):
+    code, err = run_cli(["--dataset", "fashion-mnist", "--data-dir", str(tmp_path)], out_dir, capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert f"data files not found in {tmp_path}" in err
+    assert not out_dir.exists()
+
+
+def test_corrupt_data_file(tmp_path, out_dir, capsys):
+    data = corrupt_data_dir(tmp_path)
+    code, err = run_cli(["--dataset", "fashion-mnist", "--data-dir", str(data)], out_dir, capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "train-images-idx3-ubyte" in err and "truncated" in err
+    assert not out_dir.exists()
+
+
+def test_unknown_toml_key(tmp_path, out_dir, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text('strategy = "ako"\nlearning_rate = 0.1\n')
+    code, err = run_cli(["--config", str(path)], out_dir, capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "unknown key 'learning_rate'" in err
+    assert not out_dir.exists()
+
+
+def test_bad_toml_value_and_syntax(tmp_path, out_dir, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text("workers = -3\n")
+    assert run_cli(["--config", str(path)], out_dir, capsys) == (2, "ako: error: workers -3: must be an integer >= 1\n")
+    path.write_text("workers = \n")
+    code, err = run_cli(["--config", str(path)], out_dir, capsys)
+    assert code == 2 and "run.toml" in err and err.count("\n") == 1
+
+
+def test_flags_override_the_config_file(tmp_path):
+    from ako.cli import build_parser, config_from_args
+
+    path = tmp_path / "run.toml"
+    path.write_text('strategy = "allreduce"\nworkers = 3\nlr = 0.2\nstaleness = 1\n')
+    args = build_parser().parse_args(["train", "--config", str(path), "--workers", "4", "--staleness", "none"])
+    config = config_from_args(args)
+    assert (config.strategy, config.workers, config.lr, config.staleness) == ("allreduce", 4, 0.2, None)
+
+
+def test_exit_status_2_from_the_console_script(tmp_path):
+    """The real process: status 2, one line, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "ako", "train", "--workers", "-1", "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == "ako: error: workers '-1': must be an integer >= 1\n"
