@@ -30,7 +30,7 @@ _FLAGS = {
     "batch_size": ("mini-batch size per worker", {}),
     "lr": ("learning rate (of the averaged gradient, for every strategy)", {}),
     "momentum": ("SGD momentum", {}),
-    "nesterov": ("Nesterov momentum", {"action": "store_const", "const": True}),
+    "nesterov": ("Nesterov momentum (default: on)", {"action": argparse.BooleanOptionalAction}),
     "weight_decay": ("L2 weight decay", {}),
     "epochs": ("stop after this many epochs (may be fractional)", {}),
     "max_time": ("stop after this many seconds of training", {}),
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         default = FIELDS[name].default
         shown = "" if default is None or extra else f" (default: {default})"
         train.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=text + shown, **extra)
-    train.add_argument("--no-progress", dest="progress", action="store_const", const=False, default=None)
+    train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a terminal)")
     commands.add_parser("info", help="list strategies, models and data sets, and where data is found")
     return parser
 

@@ -39,10 +39,10 @@ class TrainConfig:
     test_samples: int | None = None
     model: str = "cnn"
     batch_size: int = 64  # per worker
-    lr: float = 0.05  # learning rate of the averaged gradient, for every strategy
+    lr: float = 0.1  # learning rate of the averaged gradient, for every strategy
     momentum: float = 0.9
-    nesterov: bool = False
-    weight_decay: float = 0.0
+    nesterov: bool = True  # Nesterov momentum (when momentum > 0)
+    weight_decay: float = 5e-4
     epochs: float = 2.0
     max_time: float | None = None  # seconds of training
     target_accuracy: float | None = None  # stop when rank 0's test accuracy reaches it
@@ -149,8 +149,6 @@ def validate(config: TrainConfig) -> TrainConfig:
     if c.bandwidth is not None:
         c.bandwidth = str(c.bandwidth)
         parse_bandwidth(c.bandwidth)
-    if c.nesterov and c.momentum == 0:
-        raise ConfigError("nesterov needs momentum > 0")
     for name in ("nesterov", "progress"):
         if not isinstance(getattr(c, name), bool):
             raise ConfigError(f"{name} {getattr(c, name)!r}: must be true or false")

@@ -19,7 +19,8 @@ from ako.data import fetch
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """SGD hyper-parameters: lr (> 0), momentum in [0, 1), Nesterov, weight decay (L2, >= 0)."""
+    """SGD hyper-parameters: lr (> 0), momentum in [0, 1), Nesterov (only with momentum > 0),
+    weight decay (L2, >= 0)."""
 
     lr: float
     momentum: float = 0.0
@@ -60,7 +61,7 @@ class Replica:
             [self._flat],
             lr=optim.lr,
             momentum=optim.momentum,
-            nesterov=optim.nesterov,
+            nesterov=optim.nesterov and optim.momentum > 0,
             weight_decay=optim.weight_decay,
         )
 

@@ -50,14 +50,21 @@ def launch(job: Job, workers: int) -> dict[int, WorkerResult]:
 
     Raises WorkerFailed as soon as any worker fails (the others are stopped by the agent).
     """
+    return launch_function(worker_entry, workers, job, timeout=job.config.timeout)
+
+
+def launch_function(fn, processes: int, *args, timeout: float = 60.0) -> dict:
+    """Run `fn(*args)` in `processes` spawned processes under torch's elastic agent, as torchrun
+    would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set); returns {rank: fn's result}.
+    `fn` must be importable (spawned processes unpickle it). Raises WorkerFailed."""
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
-        nproc_per_node=workers,
+        nproc_per_node=processes,
         run_id=f"ako-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
-        rdzv_configs={"timeout": int(max(30, job.config.timeout))},
+        rdzv_configs={"timeout": int(max(30, timeout))},
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
@@ -65,7 +72,7 @@ def launch(job: Job, workers: int) -> dict[int, WorkerResult]:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with _quiet_agent():
         try:
-            return elastic_launch(config, worker_entry)(job)
+            return elastic_launch(config, fn)(*args)
         except ChildFailedError as e:
             raise WorkerFailed(describe_failures(e)) from None
 
