@@ -74,3 +74,21 @@ def single_process_sgd(config: TrainConfig, steps: int) -> torch.Tensor:
         replica.compute_gradient(x, y)
         replica.step(replica.grad.clone())
     return replica.params.clone()
+
+
+class DigitsAsList(torch.utils.data.Dataset):
+    """A plain map-style data set (not a TensorDataset): items are (x, label) pairs."""
+
+    def __init__(self, tensors: torch.utils.data.TensorDataset):
+        self.items = list(zip(*tensors.tensors))
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def digits_cnn() -> torch.nn.Module:
+    """A user's model factory: here the registry's cnn for 8x8 digits."""
+    return build_model("cnn", (1, 8, 8), 10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import ako
@@ -30,11 +31,15 @@ def test_ako_one_partition_lock_step_equals_allreduce(tmp_path):
         torch.testing.assert_close(params, reference.workers[0].params, rtol=0, atol=1e-5)
 
 
-def test_ako_loses_no_gradient(tmp_path):
+@pytest.mark.parametrize("partitions,staleness", [(5, None), (3, 2)])
+def test_ako_loses_no_gradient(tmp_path, partitions, staleness):
     """Plain SGD (no momentum, no decay): w_end = w_0 - lr/n * (sum of every gradient of every
     worker) on every replica, once the final flush is in, whatever the arrival order."""
     lr, n = 0.05, 2
-    config = small_config(tmp_path, strategy="ako", partitions=5, momentum=0.0, weight_decay=0.0, lr=lr, epochs=1.0)
+    config = small_config(
+        tmp_path, strategy="ako", partitions=partitions, staleness=staleness,
+        momentum=0.0, weight_decay=0.0, lr=lr, epochs=1.0,
+    )  # fmt: skip
     start = single_process_sgd(config, 0)
     result = ako.train(config, strategy=RECORDED_AKO)
     total = sum(w.facts["grad_sum"] for w in result.workers)

@@ -48,7 +48,7 @@ class Replica:
         self.numel = sum(sizes)
         self._flat = nn.Parameter(torch.cat([p.detach().reshape(-1) for p in tensors]).float())
         self.params = self._flat.data
-        self.grad = torch.zeros(self.numel)
+        self.grad = torch.zeros_like(self.params)
         offset = 0
         offsets = [0]
         for p, n in zip(tensors, sizes):
@@ -96,6 +96,7 @@ class Replica:
         order = torch.arange(len(dataset))
         for idx in order.split(batch_size):
             x, y = fetch(dataset, idx)
+            x, y = x.to(self.params.device), y.to(self.params.device)
             logits = self.model(x)
             loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
             correct += (logits.argmax(1) == y).sum().item()

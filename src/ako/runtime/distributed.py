@@ -207,11 +207,12 @@ class WorkerResult:
 
 def pick_device(backend: str) -> tuple[str, torch.device]:
     """(process-group backend, device): NCCL and this process's GPU when CUDA is present and the
-    backend is auto or nccl; otherwise Gloo on the CPU."""
+    backend is auto or nccl; otherwise Gloo on the CPU. Raises RuntimeError for nccl without CUDA."""
     if backend != "gloo" and torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local)
-        return "nccl", torch.device("cuda", local)
+        # collectives on CUDA tensors go to NCCL, the runtime's small CPU ones to Gloo
+        return "cpu:gloo,cuda:nccl", torch.device("cuda", local)
     if backend == "nccl":
         raise RuntimeError("backend nccl needs CUDA, and torch.cuda.is_available() is false here")
     return "gloo", torch.device("cpu")
@@ -231,7 +232,7 @@ def run_worker(job: Job) -> WorkerResult:
     rank, world = join_process_group(config.timeout, backend)
     name_process(f"ako-rank{rank}")
     try:
-        return _train(job, rank, world, device)
+        return _train(replace(job, config=replace(config, workers=world)), rank, world, device)
     finally:
         dist.destroy_process_group()
 
@@ -240,12 +241,13 @@ def _train(job: Job, rank: int, world: int, device: torch.device) -> WorkerResul
     config, strategy = job.config, job.strategy
     data = job.load_data()
     replica = job.build_replica(data, device)
+    job.validate(data, replica.numel)
     runtime = DistributedRuntime(rank, world, config.timeout, device)
     runtime.broadcast(replica.params)  # identical replicas, whatever the model factory did
     run_dir = log = None
     if rank == 0:
         run_dir = create_run_dir(config.out_dir, strategy.name)
-        write_atomic(run_dir / "config.toml", to_toml(replace(config, workers=world)))
+        write_atomic(run_dir / "config.toml", to_toml(config))
         log = MetricsLog(run_dir / "metrics.jsonl")
         if data.notice:
             print(f"ako: {data.notice}", file=sys.stderr)

@@ -70,14 +70,18 @@ class Job:
         return Replica(model.to(device), OptimizerConfig(c.lr, c.momentum, c.nesterov, c.weight_decay))
 
     def check(self) -> Data:
-        """Everything that can fail before processes start: the data files, the model, the
-        partition count against the parameter count, the batch size against the shard size.
-        Returns the loaded data. Raises ConfigError or DataError with a one-line message."""
+        """Everything that can fail before processes start; returns the loaded data.
+        Raises ConfigError or DataError with a one-line message."""
         data = self.load_data()
-        replica = self.build_replica(data, torch.device("cpu"))
+        self.validate(data, self.build_replica(data, torch.device("cpu")).numel)
+        return data
+
+    def validate(self, data: Data, numel: int) -> None:
+        """The settings that depend on the data and the model: the strategy's options against
+        the parameter count `numel`, the batch size against a worker's shard. Raises ConfigError."""
         c = self.config
         if self.strategy.check is not None:
-            self.strategy.check(c, replica.numel)
+            self.strategy.check(c, numel)
         shard = len(data.train) // c.workers
         if c.batch_size > shard:
             raise ConfigError(
@@ -86,7 +90,6 @@ class Job:
             )
         if len(data.test) == 0:
             raise DataError(f"data set {data.name!r}: the test set is empty")
-        return data
 
 
 def _count_classes(dataset) -> int:

@@ -11,6 +11,7 @@ import uuid
 from contextlib import contextmanager
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -35,14 +36,24 @@ def under_elastic_agent() -> bool:
 
 def worker_entry(job: Job) -> WorkerResult:
     """The function each launched process runs: a one-line report and exit status 1 on an
-    expected failure (set AKO_DEBUG=1 for the traceback)."""
+    expected failure (set AKO_DEBUG=1 for the traceback), 130 on Ctrl-C."""
     try:
         return run_worker(job)
+    except KeyboardInterrupt:  # the agent reports it once, for every worker
+        _exit_now(130)
     except EXPECTED_FAILURES as e:
         if os.environ.get("AKO_DEBUG"):
             raise
-        print(f"ako: worker rank {os.environ.get('RANK', '?')}: {one_line(e)}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        print(f"ako: worker rank {os.environ.get('RANK', '?')}: {one_line(e)}", file=sys.stderr)
+        _exit_now(1)
+
+
+def _exit_now(status: int) -> None:
+    """Exit without interpreter teardown: receive threads may still be blocked in a Gloo recv
+    from a dead peer, and tearing down under them aborts the process."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def launch(job: Job, workers: int) -> dict[int, WorkerResult]:
@@ -75,6 +86,8 @@ def launch_function(fn, processes: int, *args, timeout: float = 60.0) -> dict:
             return elastic_launch(config, fn)(*args)
         except ChildFailedError as e:
             raise WorkerFailed(describe_failures(e)) from None
+        except SignalException as e:  # the agent stopped the workers on SIGINT or SIGTERM
+            raise KeyboardInterrupt(str(e)) from None
 
 
 def describe_failures(error: ChildFailedError) -> str:
@@ -103,9 +116,14 @@ def one_line(e: BaseException) -> str:
 
 @contextmanager
 def _quiet_agent():
-    """The elastic agent logs each failure with a traceback of its own; ako reports it in one line."""
-    names = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher", "torchelastic-events-null")
-    loggers = [logging.getLogger(n) for n in names]
+    """The elastic agent logs each failure with a traceback of its own; ako reports it in one
+    line. torch gives each of its modules' loggers a level of its own, so set them all."""
+    prefixes = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher", "torchelastic")
+    import torch.distributed.elastic.agent.server.api  # noqa: F401  (creates its logger now)
+
+    loggers = [
+        logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith(prefixes)
+    ]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL)

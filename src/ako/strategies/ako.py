@@ -34,8 +34,8 @@ def worker(ctx):
     n, replica, s = ctx.world_size, ctx.replica, ctx.config.staleness
     p, reason = yield from choose_partitions(ctx)
     parts = partition_bounds(replica.numel, p, replica.boundaries)
-    acc = torch.zeros(replica.numel)
-    update = torch.empty(replica.numel)
+    acc = torch.zeros_like(replica.params)
+    update = torch.empty_like(replica.params)
     inbox = Inbox(ctx.peers, parts)
     t = 0
     while True:

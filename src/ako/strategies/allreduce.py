@@ -16,7 +16,7 @@ def worker(ctx):
     """Worker program. The stop vote rides in one extra element of the all-reduce buffer, so the
     workers agree on the last step without a second collective."""
     n = ctx.world_size
-    buf = torch.empty(ctx.replica.numel + 1)
+    buf = ctx.replica.params.new_empty(ctx.replica.numel + 1)
     grad, vote = buf[:-1], buf[-1:]
     steps = 0
     while True:
