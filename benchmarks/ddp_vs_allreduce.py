@@ -10,7 +10,6 @@ absent); each figure is the median over `repeats` runs, alternating the two.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from datetime import timedelta

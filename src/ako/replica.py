@@ -88,6 +88,15 @@ class Replica:
         self.optimizer.step()
         self._flat.grad = None
 
+    def evaluate_params(self, params: torch.Tensor, dataset, batch_size: int = 256) -> tuple[float, float]:
+        """`evaluate` with `params` (numel,) in place of this replica's own, which are kept."""
+        own = self.params.clone()
+        self.params.copy_(params)
+        try:
+            return self.evaluate(dataset, batch_size)
+        finally:
+            self.params.copy_(own)
+
     @torch.no_grad()
     def evaluate(self, dataset, batch_size: int = 256) -> tuple[float, float]:
         """Mean test loss and accuracy (fraction in [0, 1]) of this replica over `dataset`."""

@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -70,18 +71,16 @@ def join_process_group(timeout: float, backend: str) -> tuple[int, int]:
 class DistributedRuntime:
     """Carries out a strategy program's operations for this worker process.
 
-    `timeout` bounds every wait (seconds). The mailbox runs on a process group of its own whose
-    connection errors, not timeouts, tell of a dead peer: a silent but live peer is the
-    business of the waits here, which all have `timeout`.
+    `timeout` bounds every wait (seconds). The mailbox runs on a process group of its own.
     """
 
     def __init__(self, rank: int, world_size: int, timeout: float, device: torch.device):
         self.rank, self.world_size, self.timeout, self.device = rank, world_size, timeout, device
         self.collective_bytes = 0  # as a ring all-reduce moves them: 2 (n-1)/n x bytes each way
         self.state: WorkerState | None = None
-        group = dist.new_group(backend="gloo", timeout=timedelta(days=7))
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         peers = [r for r in range(world_size) if r != rank]
-        self.mailbox = Mailbox(rank, peers, group, on_stop=self._stop_requested)
+        self.mailbox = Mailbox(rank, peers, group, timeout, on_stop=self._stop_requested)
 
     def _stop_requested(self) -> None:
         if self.state is not None:
@@ -190,6 +189,19 @@ class DistributedRuntime:
             best = max(best, _PROBE_BYTES / (time.perf_counter() - t))
         return best
 
+    def gather_counts(self, state: WorkerState) -> list[dict]:
+        """Every worker's steps, samples and bytes sent and received, by rank."""
+        sent, received = self.bytes_moved()
+        counts = torch.tensor([state.step, state.samples, sent, received], dtype=torch.float64)
+        every = [torch.empty_like(counts) for _ in range(self.world_size)]
+        dist.all_gather(every, counts, async_op=True).wait(timedelta(seconds=self.timeout))
+        keys = ("steps", "samples", "bytes_sent", "bytes_received")
+        return [{"rank": r, **{k: int(v) for k, v in zip(keys, c.tolist())}} for r, c in enumerate(every)]
+
+    def average(self, params: torch.Tensor) -> torch.Tensor:
+        """The mean of every worker's `params` (not counted as training traffic)."""
+        return self.all_reduce(params.clone(), count=False).div_(self.world_size)
+
     def close(self) -> None:
         self.mailbox.close(self.timeout)
 
@@ -229,12 +241,16 @@ def run_worker(job: Job) -> WorkerResult:
     torch.set_num_threads(1)  # one thread per worker process: more oversubscribes the cores
     config = job.config
     backend, device = pick_device(config.backend)
-    rank, world = join_process_group(config.timeout, backend)
-    name_process(f"ako-rank{rank}")
     try:
-        return _train(replace(job, config=replace(config, workers=world)), rank, world, device)
-    finally:
-        dist.destroy_process_group()
+        rank, world = join_process_group(config.timeout, backend)
+    except (RuntimeError, dist.DistError) as e:
+        raise RuntimeError(f"the workers did not all join within {config.timeout:g} s: {comm_error(e)}") from None
+    name_process(f"ako-rank{rank}")
+    result = _train(replace(job, config=replace(config, workers=world)), rank, world, device)
+    # Only after success: on failure a receive thread may be blocked on a stuck peer, and
+    # destroying the group under it could wait for ever; the process exits instead.
+    dist.destroy_process_group()
+    return result
 
 
 def _train(job: Job, rank: int, world: int, device: torch.device) -> WorkerResult:
@@ -242,50 +258,47 @@ def _train(job: Job, rank: int, world: int, device: torch.device) -> WorkerResul
     data = job.load_data()
     replica = job.build_replica(data, device)
     job.validate(data, replica.numel)
-    runtime = DistributedRuntime(rank, world, config.timeout, device)
-    runtime.broadcast(replica.params)  # identical replicas, whatever the model factory did
-    run_dir = log = None
-    if rank == 0:
-        run_dir = create_run_dir(config.out_dir, strategy.name)
-        write_atomic(run_dir / "config.toml", to_toml(config))
-        log = MetricsLog(run_dir / "metrics.jsonl")
-        if data.notice:
-            print(f"ako: {data.notice}", file=sys.stderr)
+    try:
+        runtime = DistributedRuntime(rank, world, config.timeout, device)
+        runtime.broadcast(replica.params)  # identical replicas, whatever the model factory did
+    except (RuntimeError, dist.DistError) as e:
+        raise RuntimeError(f"the workers did not all get ready within {config.timeout:g} s: {comm_error(e)}") from None
+    run_dir = _open_run_dir(config, strategy.name, data) if rank == 0 else None
+    log = MetricsLog(run_dir / "metrics.jsonl") if run_dir else None
     clock = Clock()
     state = WorkerState(
         config, rank, world, data.train, data.test, replica, clock, log, runtime.bytes_moved, runtime.request_stop
     )
-    ctx = WorkerContext(rank, world, replica, config, state.should_stop)
     runtime.barrier()  # start the clocks together
     clock.begin()
-    facts = runtime.run(strategy.worker, ctx, state)
+    facts = runtime.run(strategy.worker, WorkerContext(rank, world, replica, config, state.should_stop), state)
     clock.stop()
-    train_seconds, wall_seconds = clock.now(), clock.wall()
     runtime.close()
-    sent, received = runtime.bytes_moved()
-    counts = torch.tensor([state.step, state.samples, sent, received], dtype=torch.float64)
-    every = [torch.empty_like(counts) for _ in range(world)]
-    dist.all_gather(every, counts, async_op=True).wait(timedelta(seconds=config.timeout))
-    average = None
-    if strategy.decentralised:
-        average = runtime.all_reduce(replica.params.clone(), count=False).div_(world)
+    per_worker = runtime.gather_counts(state)
+    average = runtime.average(replica.params) if strategy.decentralised else None
     summary = None
     if rank == 0:
-        final = state.finish()
-        workers = [
-            {"rank": r, "steps": int(c[0]), "samples": int(c[1]), "bytes_sent": int(c[2]), "bytes_received": int(c[3])}
-            for r, c in enumerate(every)
-        ]
-        average_eval = None
-        if average is not None:
-            params = replica.params.clone()
-            replica.params.copy_(average)
-            average_eval = replica.evaluate(data.test)
-            replica.params.copy_(params)
-        summary = build_summary(
-            strategy.name, config, world, data.name, facts, log.records, final, average_eval, workers, train_seconds, wall_seconds
-        )
-        summary["run_dir"] = str(run_dir)
-        write_summary(run_dir, summary)
-        print(format_summary(summary), flush=True)
+        summary = _report(job, data, state, facts, per_worker, average, run_dir)
     return WorkerResult(rank, replica.params.cpu().clone(), facts, summary)
+
+
+def _open_run_dir(config, strategy: str, data) -> Path:
+    run_dir = create_run_dir(config.out_dir, strategy)
+    write_atomic(run_dir / "config.toml", to_toml(config))
+    if data.notice:
+        print(f"ako: {data.notice}", file=sys.stderr)
+    return run_dir
+
+
+def _report(job: Job, data, state: WorkerState, facts: dict, per_worker, average, run_dir: Path) -> dict:
+    """Rank 0, after training: evaluate, write summary.json, print the summary."""
+    final = state.finish()
+    average_eval = None if average is None else state.replica.evaluate_params(average, data.test)
+    summary = build_summary(
+        job.strategy.name, job.config, state.world_size, data.name, facts, state.log.records, final,
+        average_eval, per_worker, state.clock.now(), state.clock.wall(),
+    )  # fmt: skip
+    summary["run_dir"] = str(run_dir)
+    write_summary(run_dir, summary)
+    print(format_summary(summary), flush=True)
+    return summary

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import uuid
 from contextlib import contextmanager
 
@@ -45,6 +46,9 @@ def worker_entry(job: Job) -> WorkerResult:
         if os.environ.get("AKO_DEBUG"):
             raise
         print(f"ako: worker rank {os.environ.get('RANK', '?')}: {one_line(e)}", file=sys.stderr)
+        # Often this worker only noticed another's death: give the agent a moment to see that
+        # one first, so that its report names the root cause.
+        time.sleep(1.0)
         _exit_now(1)
 
 
@@ -79,8 +83,10 @@ def launch_function(fn, processes: int, *args, timeout: float = 60.0) -> dict:
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
+        shutdown_timeout=5,  # seconds from SIGTERM to SIGKILL for workers that outlive a failure
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d's socket warnings; ako reports failures itself
     with _quiet_agent():
         try:
             return elastic_launch(config, fn)(*args)

@@ -5,7 +5,8 @@ payload tensor of `numel` elements; nothing received is unpickled. Sends are `is
 `send` blocks until the receiver posts its `recv`), so a worker never waits on a slow peer to
 send. One receive thread per peer posts `recv`s in a loop and files messages by tag: a peer
 that dies breaks its connection, its thread records that at once, and any wait on it fails
-with `PeerLost` naming the rank (an any-source `recv` would not notice a dead peer). Negative
+with `PeerLost` naming the rank (an any-source `recv` would not notice a dead peer).
+A live peer may be silent for as long as it likes: the waits for messages have the timeouts. Negative
 tags are the runtime's own: STOP (the target accuracy was reached) and CLOSE (the peer is done).
 """
 
@@ -16,6 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -25,7 +27,18 @@ from ako.strategies.ops import Message, PeerLost
 
 STOP, CLOSE, PROBE = -1, -2, -3
 _HEADER_TAG, _PAYLOAD_TAG = 1, 2
+_FOREVER = timedelta(days=365)
 _DTYPES = [torch.float32, torch.float64, torch.int64, torch.float16, torch.bfloat16]
+
+
+@dataclass
+class _Send:
+    """A send in flight: its tensors must live until the work completes."""
+
+    work: object
+    tensors: tuple
+    dst: int
+    posted: float
 
 
 class Mailbox:
@@ -36,13 +49,14 @@ class Mailbox:
     the payloads of strategy messages (tags >= 0); `header_bytes` counts every header sent.
     """
 
-    def __init__(self, rank: int, peers: list[int], group, on_stop: Callable[[], None]):
+    def __init__(self, rank: int, peers: list[int], group, timeout: float, on_stop: Callable[[], None]):
         self.rank, self.peers, self.group, self.on_stop = rank, peers, group, on_stop
+        self.timeout = timeout
         self.queues: dict[int, deque[Message]] = {}
         self.lost: dict[int, str] = {}
         self.closed: set[int] = set()
         self.cond = threading.Condition()
-        self.pending: list = []  # (work, tensors kept alive until the send completes)
+        self.pending: list[_Send] = []
         self.bytes_sent = self.bytes_received = self.header_bytes = 0
         self.threads = [
             threading.Thread(target=self._receive, args=(peer,), name=f"ako-recv-{peer}", daemon=True)
@@ -52,7 +66,11 @@ class Mailbox:
             thread.start()
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int, step: int = 0, aux: int = 0) -> None:
-        """Start sending `tensor` (flat, contiguous, CPU) to `dst`; returns at once."""
+        """Start sending `tensor` (flat, contiguous, CPU) to `dst`; returns at once.
+
+        Raises PeerLost when `dst` is gone, or has taken none of our messages for `timeout`
+        seconds (stuck): unsent messages would otherwise pile up without bound.
+        """
         header = torch.tensor([tag, step, aux, tensor.numel(), _DTYPES.index(tensor.dtype)], dtype=torch.int64)
         try:
             works = [dist.isend(header, dst, group=self.group, tag=_HEADER_TAG)]
@@ -60,8 +78,12 @@ class Mailbox:
                 works.append(dist.isend(tensor, dst, group=self.group, tag=_PAYLOAD_TAG))
         except RuntimeError as e:
             raise PeerLost(dst, comm_error(e)) from None
-        self.pending = [p for p in self.pending if not p[0].is_completed()]
-        self.pending.extend((w, (header, tensor)) for w in works)
+        now = time.monotonic()
+        self.pending = [p for p in self.pending if not p.work.is_completed()]
+        for p in self.pending:
+            if now - p.posted > self.timeout:
+                raise PeerLost(p.dst, f"took no message for {self.timeout:g} s (stuck, or far too slow)")
+        self.pending.extend(_Send(w, (header, tensor), dst, now) for w in works)
         if tag >= 0:  # the runtime's own messages are not training traffic
             self.bytes_sent += tensor.numel() * tensor.element_size()
         self.header_bytes += header.numel() * header.element_size()
@@ -104,9 +126,9 @@ class Mailbox:
         deadline = time.monotonic() + timeout
         for thread in self.threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        for work, _ in self.pending:
-            if not work.is_completed():
-                work.wait(timedelta(seconds=max(0.1, deadline - time.monotonic())))
+        for p in self.pending:
+            if not p.work.is_completed():
+                p.work.wait(timedelta(seconds=max(0.1, deadline - time.monotonic())))
         self.pending = []
 
     def _take(self, tag: int, src: int | None) -> Message | None:
@@ -132,7 +154,7 @@ class Mailbox:
         header = torch.empty(5, dtype=torch.int64)
         try:
             while True:
-                dist.recv(header, peer, group=self.group, tag=_HEADER_TAG)
+                _receive(header, peer, self.group, _HEADER_TAG)
                 tag, step, aux, numel, dtype = header.tolist()
                 if tag == CLOSE:
                     with self.cond:
@@ -141,7 +163,7 @@ class Mailbox:
                     return
                 payload = torch.empty(numel, dtype=_DTYPES[dtype])
                 if numel:
-                    dist.recv(payload, peer, group=self.group, tag=_PAYLOAD_TAG)
+                    _receive(payload, peer, self.group, _PAYLOAD_TAG)
                 if tag == STOP:
                     self.on_stop()
                     continue
@@ -154,6 +176,13 @@ class Mailbox:
             with self.cond:
                 self.lost[peer] = comm_error(e)
                 self.cond.notify_all()
+
+
+def _receive(tensor: torch.Tensor, src: int, group, tag: int) -> None:
+    """Wait as long as it takes for the next message from `src`: a peer may rightly be silent
+    for a whole run (all-reduce sends none). A dead peer breaks the connection and raises at
+    once; a silent live one is the business of `Mailbox.get`'s timeout."""
+    dist.irecv(tensor, src, group=group, tag=tag).wait(_FOREVER)
 
 
 def comm_error(e: BaseException) -> str:

@@ -140,12 +140,9 @@ class WorkerState:
     def evaluate_snapshots(self) -> float:
         """Evaluate and log the snapshots not yet evaluated; returns the last accuracy."""
         accuracy = 0.0
-        final = self.replica.params.clone()
         for record, params in self.snapshots:
-            self.replica.params.copy_(params)
-            loss, accuracy = self.replica.evaluate(self.test_set)
+            loss, accuracy = self.replica.evaluate_params(params, self.test_set)
             self.log.append({**record, "test_loss": round(loss, 5), "test_accuracy": round(accuracy, 5)})
-        self.replica.params.copy_(final)
         self.snapshots = []
         if self.bar is not None:
             self.bar.set_postfix(acc=f"{accuracy:.4f}", epoch=f"{self.epoch:.2f}")

@@ -7,7 +7,6 @@ With equal per-worker batches this is single-process SGD on the union of the n m
 
 from __future__ import annotations
 
-import torch
 
 from ako.strategies.ops import AllReduce, Compute
 
