@@ -12,7 +12,7 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist
 .PHONY: demo test data benchmarks
 
 demo: $(STAMP) data
-	@if $(AKO) info | grep -q '^data set fashion-mnist: /'; then \
+	@if $(AKO) info | grep '^data set fashion-mnist: /' >/dev/null; then \
 	  $(AKO) train --strategy ako --workers 4 --dataset fashion-mnist --epochs 2; \
 	else \
 	  echo "ako: Fashion-MNIST not found (Debian package dataset-fashion-mnist); the demo trains on scikit-learn's bundled digits instead"; \

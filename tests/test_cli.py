@@ -19,7 +19,7 @@ def out_dir(tmp_path):
 
 
 def run_cli(args, out_dir, capsys):
-    code = main(["train", "--out-dir", str(out_dir), "--dataset", "digits", *args])
+    code = main(["train", "--dataset", "digits", "--out-dir", str(out_dir), *args])
     err = capsys.readouterr().err
     return code, err
 
@@ -43,7 +43,7 @@ BAD_INPUT = [
     (["--strategy", "sync"], "unknown strategy 'sync': choose one of"),
     (["--model", "vgg"], "unknown model 'vgg': choose one of mlp, cnn, resnet"),
     (["--dataset", "cifar"], "unknown data set 'cifar': choose one of"),
-    (["--workers", "0"], "workers '0': must be an integer >= 1"),
+    (["--workers", "0"], "workers '0': must be an integer >= 1 and <= 4096"),
     (["--workers", "two"], "workers 'two': must be an integer >= 1"),
     (["--partitions", "0"], "partitions '0': must be an integer >= 1 or 'auto'"),
     (["--partitions", "100000000"], "partitions 100000000: must be at most the model's parameter count 22602"),
@@ -56,6 +56,15 @@ BAD_INPUT = [
     (["--bandwidth", "fast"], "bandwidth 'fast': expected a rate like 1Gbit"),
     (["--epochs", "nan"], "epochs 'nan': must be a number > 0"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    (["--epochs", "inf"], "epochs 'inf': must be a number > 0 and <= 1e+06"),
+    (["--timeout", "inf"], "timeout 'inf': must be a number >= 1 and <= 86400"),
+    (["--seed", "1" * 30], "must be an integer >= 0 and <= 9223372036854775807"),
+    (["--lr", "1e300"], "lr '1e300': must be a number > 0 and <= 1000"),
+    (["--strategy", "allreduce", "--partitions", "4"], "partitions '4': strategy allreduce has no such option"),
+    (["--strategy", "allreduce", "--staleness", "0"], "staleness '0': strategy allreduce has no such option"),
+    (["--backend", "nccl"], "backend 'nccl' needs CUDA"),
+    (["--config", ""], "config file '' not found"),
+    (["--out-dir", "/dev/null/runs"], "out_dir '/dev/null/runs': cannot make it (Not a directory)"),
 ]
 
 
@@ -95,7 +104,14 @@ def test_unknown_toml_key(tmp_path, out_dir, capsys):
 def test_bad_toml_value_and_syntax(tmp_path, out_dir, capsys):
     path = tmp_path / "run.toml"
     path.write_text("workers = -3\n")
-    assert run_cli(["--config", str(path)], out_dir, capsys) == (2, "ako: error: workers -3: must be an integer >= 1\n")
+    assert run_cli(["--config", str(path)], out_dir, capsys) == (
+        2,
+        "ako: error: workers -3: must be an integer >= 1 and <= 4096\n",
+    )
+    path.write_text("model = []\n")
+    assert run_cli(["--config", str(path)], out_dir, capsys) == (2, "ako: error: model []: must be a non-empty string\n")
+    path.write_text("epochs = true\n")
+    assert run_cli(["--config", str(path)], out_dir, capsys) == (2, "ako: error: epochs true: must be a number > 0 and <= 1e+06\n")
     path.write_text("workers = \n")
     code, err = run_cli(["--config", str(path)], out_dir, capsys)
     assert code == 2 and "run.toml" in err and err.count("\n") == 1
@@ -105,10 +121,10 @@ def test_flags_override_the_config_file(tmp_path):
     from ako.cli import build_parser, config_from_args
 
     path = tmp_path / "run.toml"
-    path.write_text('strategy = "allreduce"\nworkers = 3\nlr = 0.2\nstaleness = 1\n')
+    path.write_text('strategy = "ako"\nworkers = 3\nlr = 0.2\nstaleness = 1\nbatch-size = 32\n')
     args = build_parser().parse_args(["train", "--config", str(path), "--workers", "4", "--staleness", "none"])
     config = config_from_args(args)
-    assert (config.strategy, config.workers, config.lr, config.staleness) == ("allreduce", 4, 0.2, None)
+    assert (config.strategy, config.workers, config.lr, config.staleness, config.batch_size) == ("ako", 4, 0.2, None, 32)
 
 
 def test_exit_status_2_from_the_console_script(tmp_path):
@@ -119,4 +135,33 @@ def test_exit_status_2_from_the_console_script(tmp_path):
         text=True,
     )
     assert proc.returncode == 2
-    assert proc.stderr == "ako: error: workers '-1': must be an integer >= 1\n"
+    assert proc.stderr == "ako: error: workers '-1': must be an integer >= 1 and <= 4096\n"
+
+
+def idx_dir(tmp_path, side: int):
+    """A Fashion-MNIST-like directory of 20 images of side x side pixels."""
+    d = tmp_path / f"data{side}"
+    d.mkdir()
+    images = np.zeros((20, side, side), np.uint8)
+    labels = np.arange(20, dtype=np.uint8) % 10
+    for split in ("train", "t10k"):
+        write_idx(d / f"{split}-images-idx3-ubyte", images, gz=False)
+        write_idx(d / f"{split}-labels-idx1-ubyte", labels, gz=False)
+    return d
+
+
+def test_images_too_small_for_the_model(tmp_path, out_dir, capsys):
+    data = idx_dir(tmp_path, side=1)
+    code, err = run_cli(["--dataset", "fashion-mnist", "--data-dir", str(data), "--batch-size", "4"], out_dir, capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "model 'cnn' cannot take inputs of shape (1, 1, 1)" in err
+
+
+def test_images_with_no_pixels(tmp_path, out_dir, capsys):
+    data = idx_dir(tmp_path, side=2)
+    raw = bytearray((data / "train-images-idx3-ubyte").read_bytes()[:16])
+    raw[8:16] = bytes(8)  # rows = cols = 0
+    (data / "train-images-idx3-ubyte").write_bytes(bytes(raw))
+    code, err = run_cli(["--dataset", "fashion-mnist", "--data-dir", str(data)], out_dir, capsys)
+    assert code == 2 and err.count("\n") == 1
+    assert "every dimension must be at least 1" in err

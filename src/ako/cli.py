@@ -55,14 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
         default = FIELDS[name].default
         shown = "" if default is None or extra else f" (default: {default})"
         train.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=text + shown, **extra)
-    train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: on a terminal)")
+    train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: only on a terminal)")
     commands.add_parser("info", help="list strategies, models and data sets, and where data is found")
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     """defaults < --config file < flags; validated."""
-    values = load_toml(args.config) if args.config else {}
+    values = load_toml(args.config) if args.config is not None else {}
     for name in FIELDS:
         given = getattr(args, name, None)
         if given is not None:

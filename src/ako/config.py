@@ -15,11 +15,15 @@ import tomllib
 from dataclasses import dataclass, fields
 
 import tomli_w
+import torch
 
 from ako.data.datasets import DATASETS
 from ako.models import MODELS
 
 STRATEGIES = ("ako", "allreduce")
+# settings that only some strategies use, with their defaults: setting one for another
+# strategy is a mistake worth an error
+STRATEGY_OPTIONS = {"partitions": ("auto", ("ako",)), "staleness": (None, ("ako",)), "bandwidth": (None, ("ako",))}
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -54,7 +58,7 @@ class TrainConfig:
     seed: int = 0
     backend: str = "auto"
     out_dir: str = "runs"
-    progress: bool = True
+    progress: bool | None = None  # progress bar: None = only on a terminal
 
     @property
     def bandwidth_bytes(self) -> float | None:
@@ -98,12 +102,13 @@ def load_toml(path: str | os.PathLike) -> dict:
         raise ConfigError(f"config file {str(path)!r}: {e}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {str(path)!r}: cannot read it ({e})") from None
+    data = {key.replace("-", "_"): value for key, value in data.items()}
     unknown = sorted(set(data) - set(FIELDS))
     if unknown:
         raise ConfigError(
             f"config file {str(path)!r}: unknown key {unknown[0]!r}; allowed: {', '.join(FIELDS)}"
         )
-    return {key.replace("-", "_"): value for key, value in data.items()}
+    return data
 
 
 def make_config(**values) -> TrainConfig:
@@ -118,28 +123,37 @@ def validate(config: TrainConfig) -> TrainConfig:
     """Check every field's type and range; return the config with values normalised
     (e.g. partitions "3" -> 3). Raises ConfigError naming the first bad value."""
     c = dataclasses.replace(config)
-    if c.strategy not in STRATEGIES:
-        raise ConfigError(f"unknown strategy {c.strategy!r}: choose one of {', '.join(STRATEGIES)}")
-    if c.model not in MODELS:
-        raise ConfigError(f"unknown model {c.model!r}: choose one of {', '.join(MODELS)}")
-    if c.dataset not in DATASETS:
-        raise ConfigError(f"unknown data set {c.dataset!r}: choose one of {', '.join(DATASETS)}")
-    if c.backend not in BACKENDS:
-        raise ConfigError(f"unknown backend {c.backend!r}: choose one of {', '.join(BACKENDS)}")
-    c.workers = _integer("workers", c.workers, low=1)
+    for name in ("strategy", "dataset", "model", "backend", "out_dir"):
+        if not isinstance(getattr(c, name), str) or not getattr(c, name):
+            raise ConfigError(f"{name} {_show(getattr(c, name))}: must be a non-empty string")
+    if c.data_dir is not None and not isinstance(c.data_dir, str):
+        raise ConfigError(f"data_dir {_show(c.data_dir)}: must be a directory path")
+    _choice("strategy", c.strategy, STRATEGIES)
+    _choice("model", c.model, MODELS)
+    _choice("data set", c.dataset, DATASETS)
+    _choice("backend", c.backend, BACKENDS)
+    if c.backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is false here: use gloo")
+    for name, (default, users) in STRATEGY_OPTIONS.items():
+        if c.strategy not in users and getattr(c, name) != default:
+            raise ConfigError(
+                f"{name} {_show(getattr(c, name))}: strategy {c.strategy} has no such option "
+                f"(it is for {', '.join(users)})"
+            )
+    c.workers = _integer("workers", c.workers, low=1, high=4096)
     c.batch_size = _integer("batch_size", c.batch_size, low=1)
-    c.seed = _integer("seed", c.seed, low=0)
+    c.seed = _integer("seed", c.seed, low=0, high=2**63 - 1)
     for name in ("train_samples", "test_samples"):
         if getattr(c, name) is not None:
             setattr(c, name, _integer(name, getattr(c, name), low=1))
-    c.lr = _number("lr", c.lr, low=0.0, low_open=True)
+    c.lr = _number("lr", c.lr, low=0.0, high=1000.0, low_open=True)
     c.momentum = _number("momentum", c.momentum, low=0.0, high=1.0, high_open=True)
-    c.weight_decay = _number("weight_decay", c.weight_decay, low=0.0)
-    c.epochs = _number("epochs", c.epochs, low=0.0, low_open=True)
-    c.eval_every = _number("eval_every", c.eval_every, low=0.0, low_open=True)
-    c.timeout = _number("timeout", c.timeout, low=0.0, low_open=True)
+    c.weight_decay = _number("weight_decay", c.weight_decay, low=0.0, high=1.0)
+    c.epochs = _number("epochs", c.epochs, low=0.0, high=1e6, low_open=True)
+    c.eval_every = _number("eval_every", c.eval_every, low=0.0, high=1e6, low_open=True)
+    c.timeout = _number("timeout", c.timeout, low=1.0, high=86400.0)
     if c.max_time is not None:
-        c.max_time = _number("max_time", c.max_time, low=0.0, low_open=True)
+        c.max_time = _number("max_time", c.max_time, low=0.0, high=1e9, low_open=True)
     if c.target_accuracy is not None:
         c.target_accuracy = _number("target_accuracy", c.target_accuracy, low=0.0, high=1.0, low_open=True)
     if c.staleness is not None:
@@ -149,24 +163,33 @@ def validate(config: TrainConfig) -> TrainConfig:
     if c.bandwidth is not None:
         c.bandwidth = str(c.bandwidth)
         parse_bandwidth(c.bandwidth)
-    for name in ("nesterov", "progress"):
-        if not isinstance(getattr(c, name), bool):
-            raise ConfigError(f"{name} {getattr(c, name)!r}: must be true or false")
-    for name in ("strategy", "dataset", "model", "out_dir"):
-        if not isinstance(getattr(c, name), str) or not getattr(c, name):
-            raise ConfigError(f"{name} {getattr(c, name)!r}: must be a non-empty string")
+    if not isinstance(c.nesterov, bool):
+        raise ConfigError(f"nesterov {_show(c.nesterov)}: must be true or false")
+    if c.progress is not None and not isinstance(c.progress, bool):
+        raise ConfigError(f"progress {_show(c.progress)}: must be true or false")
     return c
 
 
-def _integer(name: str, value, low: int, hint: str = "") -> int:
+def _choice(what: str, value: str, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"unknown {what} {value!r}: choose one of {', '.join(allowed)}")
+
+
+def _show(value) -> str:
+    """A value as the user wrote it: true/false for booleans, quoted strings."""
+    return str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def _integer(name: str, value, low: int, high: int | None = None, hint: str = "") -> int:
+    allowed = f"must be an integer >= {low}" + ("" if high is None else f" and <= {high}") + hint
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(f"{name} {value!r}: must be an integer >= {low}{hint}")
+        raise ConfigError(f"{name} {_show(value)}: {allowed}")
     try:
         number = int(value)
     except ValueError:
-        raise ConfigError(f"{name} {value!r}: must be an integer >= {low}{hint}") from None
-    if number < low:
-        raise ConfigError(f"{name} {value!r}: must be an integer >= {low}{hint}")
+        raise ConfigError(f"{name} {_show(value)}: {allowed}") from None
+    if number < low or (high is not None and number > high):
+        raise ConfigError(f"{name} {_show(value)}: {allowed}")
     return number
 
 
@@ -175,15 +198,15 @@ def _number(name, value, low, high=math.inf, low_open=False, high_open=False) ->
     hi = "" if high == math.inf else (f" and < {high:g}" if high_open else f" and <= {high:g}")
     allowed = f"must be a number {lo}{hi}"
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ConfigError(f"{name} {value!r}: {allowed}")
+        raise ConfigError(f"{name} {_show(value)}: {allowed}")
     try:
         number = float(value)
     except ValueError:
-        raise ConfigError(f"{name} {value!r}: {allowed}") from None
+        raise ConfigError(f"{name} {_show(value)}: {allowed}") from None
     below = number <= low if low_open else number < low
     above = number >= high if high_open else number > high
-    if math.isnan(number) or below or above:
-        raise ConfigError(f"{name} {value!r}: {allowed}")
+    if not math.isfinite(number) or below or above:
+        raise ConfigError(f"{name} {_show(value)}: {allowed}")
     return number
 
 

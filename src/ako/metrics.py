@@ -8,8 +8,8 @@ evaluation) and `summary.json`. Whole files are written through a temporary file
 from __future__ import annotations
 
 import json
+import math
 import os
-import tempfile
 import time
 from pathlib import Path
 
@@ -20,13 +20,12 @@ def write_atomic(path: str | os.PathLike, text: str) -> None:
     """Write `text` to `path` through a temporary file in the same directory and a rename, so a
     reader never sees a half-written file."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        tmp.write_text(text)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -53,6 +52,7 @@ class MetricsLog:
         self.records: list[dict] = []
 
     def append(self, record: dict) -> None:
+        record = finite(record)
         self.records.append(record)
         if self.path is not None:
             with open(self.path, "a") as f:
@@ -76,12 +76,14 @@ def format_summary(s: dict) -> str:
     if s.get("average_accuracy") is not None:
         acc += f", {s['average_accuracy']:.4f} (average of the replicas)"
     target = s.get("target_accuracy")
+    evaluating = s["wall_seconds"] - s["train_seconds"]
+    paused = f" (+ {evaluating:.1f} s evaluating)" if evaluating >= 0.05 else ""
     tta = ", ".join(
         f"{float(k):.0%}: {'not reached' if v is None else f'{v:.1f} s'}" for k, v in s["time_to_accuracy"].items()
     )
     lines = [
-        f"ako {s['strategy']}: {s['workers']} workers, {s['model']} on {s['dataset']}, "
-        f"{s['epochs']:.2f} epochs in {s['train_seconds']:.1f} s of training ({s['wall_seconds']:.1f} s wall)",
+        f"ako {s['strategy']}: {s['workers']} worker{'s' if s['workers'] > 1 else ''}, {s['model']} on "
+        f"{s['dataset']}, {s['epochs']:.2f} epochs in {s['train_seconds']:.1f} s of training{paused}",
         f"  test accuracy    {acc}",
         f"  time to accuracy {tta}" + ("" if target is None else f"  (target {target:.0%})"),
         f"  throughput       {s['samples_per_second']:.0f} samples/s",
@@ -96,7 +98,12 @@ def format_summary(s: dict) -> str:
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
-    write_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    write_atomic(run_dir / "summary.json", json.dumps(finite(summary), indent=2) + "\n")
+
+
+def finite(record: dict) -> dict:
+    """`record` with NaN and infinite numbers (a diverged run's loss) as None: JSON has no NaN."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
 
 
 def build_summary(

@@ -181,7 +181,10 @@ def _idx_paths(directory: Path) -> dict[str, Path] | None:
     found = {}
     for key, stem in IDX_FILES.items():
         options = [directory / stem, directory / f"{stem}.gz"]
-        existing = [path for path in options if path.is_file()]
+        try:
+            existing = [path for path in options if path.is_file()]
+        except OSError as e:  # e.g. a name too long for the file system
+            raise DataError(f"data directory {str(directory)[:200]!r}: {e.strerror}") from None
         if not existing:
             return None
         found[key] = existing[0]
@@ -193,7 +196,7 @@ def _load_idx(name: str, data_dir: str | os.PathLike | None) -> _Raw:
     directory = find_data_dir(name, data_dir)
     if directory is None:
         expected = ", ".join(f"{stem}[.gz]" for stem in IDX_FILES.values())
-        hint = "" if data_dir is not None else f" (pass a data directory or set {ENV_VAR})"
+        hint = "" if data_dir is not None else f" (pass --data-dir or set {ENV_VAR})"
         raise DataError(
             f"{name}: data files not found in {_searched(name, data_dir)}; "
             f"expected {expected}{hint}"

@@ -138,4 +138,7 @@ def _parse_header(
     offset = 4 + 4 * ndim
     if len(payload) < offset:
         raise DataError(f"{path}: truncated: header declares {ndim} dimensions but ends early")
-    return struct.unpack_from(f">{ndim}I", payload, 4), offset
+    shape = struct.unpack_from(f">{ndim}I", payload, 4)
+    if 0 in shape[1:]:
+        raise DataError(f"{path}: an example has shape {shape[1:]}; every dimension must be at least 1")
+    return shape, offset

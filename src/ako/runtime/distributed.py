@@ -254,8 +254,11 @@ def run_worker(job: Job) -> WorkerResult:
 
 
 def _train(job: Job, rank: int, world: int, device: torch.device) -> WorkerResult:
-    config, strategy = job.config, job.strategy
     data = job.load_data()
+    # what the run really used: the data set `auto` chose, the user's own model or data
+    model = "custom" if job.model_fn is not None else job.config.model
+    job = replace(job, config=replace(job.config, dataset=data.name, model=model))
+    config, strategy = job.config, job.strategy
     replica = job.build_replica(data, device)
     job.validate(data, replica.numel)
     try:
@@ -300,5 +303,8 @@ def _report(job: Job, data, state: WorkerState, facts: dict, per_worker, average
     )  # fmt: skip
     summary["run_dir"] = str(run_dir)
     write_summary(run_dir, summary)
-    print(format_summary(summary), flush=True)
+    try:
+        print(format_summary(summary), flush=True)
+    except BrokenPipeError:  # stdout was closed (piped into head?): summary.json has it all
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return summary

@@ -6,8 +6,10 @@ top-level function) and the data sets picklable. Both runtimes build replicas an
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -73,7 +75,16 @@ class Job:
         """Everything that can fail before processes start; returns the loaded data.
         Raises ConfigError or DataError with a one-line message."""
         data = self.load_data()
-        self.validate(data, self.build_replica(data, torch.device("cpu")).numel)
+        try:
+            replica = self.build_replica(data, torch.device("cpu"))
+            replica.model(data.train[0][0].unsqueeze(0))
+        except (RuntimeError, ValueError) as e:
+            raise ConfigError(
+                f"model {self.config.model!r} cannot take inputs of shape {tuple(data.input_shape)}: "
+                f"{str(e).splitlines()[0][:200]}"
+            ) from None
+        self.validate(data, replica.numel)
+        check_out_dir(self.config.out_dir)
         return data
 
     def validate(self, data: Data, numel: int) -> None:
@@ -90,6 +101,18 @@ class Job:
             )
         if len(data.test) == 0:
             raise DataError(f"data set {data.name!r}: the test set is empty")
+
+
+def check_out_dir(out_dir: str) -> None:
+    """Make `out_dir` (the last check before a run starts); raise ConfigError if it cannot be
+    made or written to."""
+    path = Path(out_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"out_dir {out_dir!r}: cannot make it ({e.strerror})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"out_dir {out_dir!r}: not writable")
 
 
 def _count_classes(dataset) -> int:

@@ -10,7 +10,10 @@ import sys
 import time
 import uuid
 from contextlib import contextmanager
+from dataclasses import replace
 
+import numpy as np
+import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -23,7 +26,7 @@ from ako.runtime.job import Job
 from ako.strategies.ops import PeerLost
 
 # Failures a worker reports in one line; anything else is a bug and keeps its traceback.
-EXPECTED_FAILURES = (PeerLost, TimeoutError, DataError, ConfigError, dist.DistError, RuntimeError)
+EXPECTED_FAILURES = (PeerLost, TimeoutError, DataError, ConfigError, dist.DistError, RuntimeError, OSError)
 
 
 class WorkerFailed(RuntimeError):
@@ -39,7 +42,7 @@ def worker_entry(job: Job) -> WorkerResult:
     """The function each launched process runs: a one-line report and exit status 1 on an
     expected failure (set AKO_DEBUG=1 for the traceback), 130 on Ctrl-C."""
     try:
-        return run_worker(job)
+        return _numpy(run_worker(job))
     except KeyboardInterrupt:  # the agent reports it once, for every worker
         _exit_now(130)
     except EXPECTED_FAILURES as e:
@@ -50,6 +53,23 @@ def worker_entry(job: Job) -> WorkerResult:
         # one first, so that its report names the root cause.
         time.sleep(1.0)
         _exit_now(1)
+
+
+def _numpy(result: WorkerResult) -> WorkerResult:
+    """Tensors travel to the launcher as NumPy arrays, by value: torch would share their memory
+    through file descriptors, which are gone if the worker dies before the launcher reads them."""
+    return _convert(result, torch.Tensor, torch.Tensor.numpy)
+
+
+def _torch(result: WorkerResult) -> WorkerResult:
+    return _convert(result, np.ndarray, torch.from_numpy)
+
+
+def _convert(result: WorkerResult, kind: type, convert) -> WorkerResult:
+    def one(value):
+        return convert(value) if isinstance(value, kind) else value
+
+    return replace(result, params=one(result.params), facts={k: one(v) for k, v in result.facts.items()})
 
 
 def _exit_now(status: int) -> None:
@@ -65,7 +85,8 @@ def launch(job: Job, workers: int) -> dict[int, WorkerResult]:
 
     Raises WorkerFailed as soon as any worker fails (the others are stopped by the agent).
     """
-    return launch_function(worker_entry, workers, job, timeout=job.config.timeout)
+    results = launch_function(worker_entry, workers, job, timeout=job.config.timeout)
+    return {rank: _torch(result) for rank, result in results.items()}
 
 
 def launch_function(fn, processes: int, *args, timeout: float = 60.0) -> dict:

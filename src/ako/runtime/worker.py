@@ -17,6 +17,9 @@ from ako.metrics import MetricsLog
 from ako.replica import Replica
 
 
+_SNAPSHOT_BYTES = 256 << 20
+
+
 class Clock:
     """Training seconds: wall time since `begin`, less the time spent in `paused` blocks
     (evaluations), so time-to-accuracy counts training only."""
@@ -86,7 +89,7 @@ class WorkerState:
         self.bar = None
         if rank == 0:
             tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock: a killed worker would leak it
-            self.bar = tqdm(total=self.planned_steps, unit="step", disable=None if config.progress else True)
+            self.bar = tqdm(total=self.planned_steps, unit="step", disable=None if config.progress is None else not config.progress)
 
     @property
     def epoch(self) -> float:
@@ -128,14 +131,17 @@ class WorkerState:
         }
 
     def snapshot(self) -> None:
-        """Record rank 0's replica and progress now, for evaluation now or after training."""
+        """Record rank 0's replica and progress now, for evaluation now (with a target, or when
+        the snapshots waiting would take more than 256 MB) or after training."""
         self.snapshots.append((self._progress_record(), self.replica.params.clone()))
-        if self.config.target_accuracy is not None:
-            with self.clock.pause():
-                accuracy = self.evaluate_snapshots()
-            if accuracy >= self.config.target_accuracy and not self.stop_requested:
-                self.stop_requested = True
-                self.on_target()
+        target = self.config.target_accuracy
+        if target is None and len(self.snapshots) * self.replica.grad_bytes <= _SNAPSHOT_BYTES:
+            return
+        with self.clock.pause():
+            accuracy = self.evaluate_snapshots()
+        if target is not None and accuracy >= target and not self.stop_requested:
+            self.stop_requested = True
+            self.on_target()
 
     def evaluate_snapshots(self) -> float:
         """Evaluate and log the snapshots not yet evaluated; returns the last accuracy."""
