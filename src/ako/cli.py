@@ -47,6 +47,7 @@ _FLAGS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `ako` argument parser; every train flag defaults to None so that a config file can fill it."""
     parser = _Parser(prog="ako", description="Data-parallel training without parameter-server bottlenecks.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{train,info}")
     train = commands.add_parser("train", help="train a model on N workers", description="Train a model on N workers.")
@@ -77,6 +78,7 @@ def _none(name: str, value):
 
 
 def cmd_info() -> int:
+    """`ako info`: strategies, models, and where each data set was found."""
     from ako.data import DATASETS, find_data_dir
     from ako.models import MODELS
 
@@ -91,6 +93,7 @@ def cmd_info() -> int:
 
 
 def cmd_train(config: TrainConfig) -> int:
+    """`ako train`: exit status 0, or 1 when a worker failed (one line naming its rank)."""
     from ako.api import train
     from ako.data import DataError
     from ako.runtime.launcher import EXPECTED_FAILURES, WorkerFailed, one_line, under_elastic_agent
@@ -111,6 +114,7 @@ def cmd_train(config: TrainConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The console script: returns the exit status (2 for bad input, 130 on Ctrl-C)."""
     from ako.data import DataError
 
     try:

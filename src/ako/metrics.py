@@ -52,6 +52,7 @@ class MetricsLog:
         self.records: list[dict] = []
 
     def append(self, record: dict) -> None:
+        """Log one evaluation record (NaN and infinities become null)."""
         record = finite(record)
         self.records.append(record)
         if self.path is not None:
@@ -98,6 +99,7 @@ def format_summary(s: dict) -> str:
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
+    """Write `run_dir/summary.json` atomically."""
     write_atomic(run_dir / "summary.json", json.dumps(finite(summary), indent=2) + "\n")
 
 

@@ -109,6 +109,7 @@ class DistributedRuntime:
             result = self.execute(op)
 
     def execute(self, op):
+        """Carry out one operation of `ako.strategies.ops` and return its result."""
         match op:
             case Compute():
                 x, y = self.state.next_batch()
@@ -156,6 +157,7 @@ class DistributedRuntime:
         self.all_reduce(torch.zeros(1), count=False)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Copy rank `src`'s `tensor` into every worker's, in place (deadline `timeout`)."""
         dist.broadcast(tensor, src, async_op=True).wait(timedelta(seconds=self.timeout))
         return tensor
 
@@ -203,6 +205,7 @@ class DistributedRuntime:
         return self.all_reduce(params.clone(), count=False).div_(self.world_size)
 
     def close(self) -> None:
+        """Say goodbye to every peer and wait for theirs (at most `timeout` seconds)."""
         self.mailbox.close(self.timeout)
 
 

@@ -137,6 +137,7 @@ def _exit_status(code: int) -> str:
 
 
 def one_line(e: BaseException) -> str:
+    """The first line of an error's message, at most 300 characters."""
     lines = str(e).strip().splitlines()
     return (lines[0] if lines else type(e).__name__)[:300]
 

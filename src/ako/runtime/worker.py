@@ -112,6 +112,7 @@ class WorkerState:
             self.bar.update()
 
     def should_stop(self) -> bool:
+        """Epochs done, time budget spent, or the target reached (here or on rank 0)."""
         limit = self.config.max_time
         return (
             self.stop_requested

@@ -72,6 +72,7 @@ def check(config, numel: int) -> None:
 
 
 def send_to_peers(ctx, tensor: torch.Tensor, step: int, aux: int):
+    """Yield one `Send` of `tensor` (shared, not modified afterwards) to every peer."""
     for peer in ctx.peers:
         yield Send(tensor, peer, TAG, step, aux)
 
@@ -111,6 +112,7 @@ class Inbox:
         self.flushed: set[int] = set()
 
     def add(self, message: Message) -> None:
+        """File a received message and note how far its sender has got."""
         self.pending.append(message)
         if message.aux == FLUSH:
             self.flushed.add(message.src)
@@ -123,6 +125,7 @@ class Inbox:
         return min(steps, default=math.inf)
 
     def all_flushed(self) -> bool:
+        """Whether every peer has sent its final flush."""
         return len(self.flushed) == len(self.last_step)
 
     def apply(self, update: torch.Tensor, up_to: int | None) -> None:
