@@ -47,7 +47,7 @@ def create_run_dir(out_dir: str | os.PathLike, strategy: str) -> Path:
 class MetricsLog:
     """Appends evaluation records to `metrics.jsonl` and keeps them for the summary."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path):
         self.path = path
         self.records: list[dict] = []
 
@@ -55,9 +55,8 @@ class MetricsLog:
         """Log one evaluation record (NaN and infinities become null)."""
         record = finite(record)
         self.records.append(record)
-        if self.path is not None:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 def time_to_accuracy(records: list[dict], target: float) -> float | None:

@@ -46,7 +46,7 @@ class Mailbox:
 
     `group` is a process group used only for these messages, so their tags can never collide
     with the collectives' internal tags. Counters: `bytes_sent` and `bytes_received` count
-    the payloads of strategy messages (tags >= 0); `header_bytes` counts every header sent.
+    the payloads of strategy messages (tags >= 0); headers (40 bytes a message) are left out.
     """
 
     def __init__(self, rank: int, peers: list[int], group, timeout: float, on_stop: Callable[[], None]):
@@ -54,10 +54,9 @@ class Mailbox:
         self.timeout = timeout
         self.queues: dict[int, deque[Message]] = {}
         self.lost: dict[int, str] = {}
-        self.closed: set[int] = set()
         self.cond = threading.Condition()
         self.pending: list[_Send] = []
-        self.bytes_sent = self.bytes_received = self.header_bytes = 0
+        self.bytes_sent = self.bytes_received = 0
         self.threads = [
             threading.Thread(target=self._receive, args=(peer,), name=f"ako-recv-{peer}", daemon=True)
             for peer in peers
@@ -86,7 +85,6 @@ class Mailbox:
         self.pending.extend(_Send(w, (header, tensor), dst, now) for w in works)
         if tag >= 0:  # the runtime's own messages are not training traffic
             self.bytes_sent += tensor.numel() * tensor.element_size()
-        self.header_bytes += header.numel() * header.element_size()
 
     def get(self, tag: int, src: int | None, timeout: float) -> Message:
         """Wait up to `timeout` seconds for the next message with `tag` (from `src`, or any).
@@ -157,9 +155,6 @@ class Mailbox:
                 _receive(header, peer, self.group, _HEADER_TAG)
                 tag, step, aux, numel, dtype = header.tolist()
                 if tag == CLOSE:
-                    with self.cond:
-                        self.closed.add(peer)
-                        self.cond.notify_all()
                     return
                 payload = torch.empty(numel, dtype=_DTYPES[dtype])
                 if numel:
