@@ -137,7 +137,7 @@ class DistributedRuntime:
     def _to_device(self, message):
         if message.tensor.device == self.device:
             return message
-        return type(message)(message.src, message.tag, message.step, message.aux, message.tensor.to(self.device))
+        return replace(message, tensor=message.tensor.to(self.device))
 
     def all_reduce(self, tensor: torch.Tensor, reduce: str = "sum", count: bool = True) -> torch.Tensor:
         """In-place all-reduce with a deadline of `timeout` seconds; `count` adds its bytes to
