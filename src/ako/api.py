@@ -26,7 +26,8 @@ from ako.strategies import Strategy
 @dataclass
 class RunResult:
     """`summary`: rank 0's run summary (None on other ranks under torchrun); `workers`: each
-    worker's final parameters and facts, by rank (only this process's under torchrun)."""
+    surviving worker's final parameters and facts, by rank (servers left out; only this
+    process's under torchrun)."""
 
     summary: dict | None
     workers: list[WorkerResult]
@@ -56,5 +57,6 @@ def train(
         result = run_worker(job)
         return RunResult(result.summary, [result])
     job.check()
-    results = launch(job, config.workers)
-    return RunResult(results[0].summary, [results[r] for r in sorted(results)])
+    results = launch(job, job.config.workers + (job.config.servers or 0))
+    workers = [results[r] for r in sorted(results) if r < job.config.workers]
+    return RunResult(results[0].summary, workers)

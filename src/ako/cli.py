@@ -21,7 +21,7 @@ class _Parser(argparse.ArgumentParser):
 # flag -> (help, argparse keywords); every flag maps to the TrainConfig field of the same name
 _FLAGS = {
     "strategy": (f"synchronisation strategy: {', '.join(STRATEGIES)}", {}),
-    "workers": ("number of worker processes on this machine (under torchrun: its world size)", {}),
+    "workers": ("number of workers (under torchrun: the world size less --servers)", {}),
     "dataset": ("fashion-mnist, mnist, digits, or auto (fashion-mnist if found, else digits)", {}),
     "data_dir": ("directory with the IDX files (else $AKO_DATA_DIR, else /usr/share/datasets/<name>)", {}),
     "train_samples": ("use only the first N training examples", {}),
@@ -37,8 +37,16 @@ _FLAGS = {
     "target_accuracy": ("stop when rank 0's test accuracy reaches this fraction, e.g. 0.85", {}),
     "eval_every": ("evaluate every this many epochs", {}),
     "partitions": ("ako: number of gradient partitions p, or auto", {}),
-    "staleness": ("ako: staleness bound s (0 = lock-step); default unbounded", {}),
+    "staleness": ("ako: staleness bound s (0 = lock-step; default unbounded); ssp: s (default 2)", {}),
     "bandwidth": ("ako auto: link budget, e.g. 1Gbit or 100MB (default: measured)", {}),
+    "servers": ("bsp, asp, ssp, absp, easgd: parameter-server processes beside the workers (default 1)", {}),
+    "micro_batch": ("absp: samples per interruptible micro-batch (default batch-size / 4)", {}),
+    "tau": ("easgd: steps between elastic averaging rounds", {}),
+    "beta": ("easgd: moving rate beta; elastic alpha = beta / workers", {}),
+    "straggler": (
+        "slow a worker: rank=R,factor=K (always) or prob=P,factor=K (any worker, per step); repeatable",
+        {"action": "append"},
+    ),
     "timeout": ("seconds any wait may take before the run fails", {}),
     "seed": ("random seed (model initialisation and data order)", {}),
     "backend": ("auto (nccl with CUDA, else gloo), gloo or nccl", {}),

@@ -17,13 +17,24 @@ from dataclasses import dataclass, fields
 import tomli_w
 import torch
 
+from ako.cluster import ClusterError, check_stragglers
 from ako.data.datasets import DATASETS
 from ako.models import MODELS
 
-STRATEGIES = ("ako", "allreduce")
+PARAMETER_SERVER = ("bsp", "asp", "ssp", "absp", "easgd")
+STRATEGIES = ("ako", "allreduce", *PARAMETER_SERVER)
 # settings that only some strategies use, with their defaults: setting one for another
 # strategy is a mistake worth an error
-STRATEGY_OPTIONS = {"partitions": ("auto", ("ako",)), "staleness": (None, ("ako",)), "bandwidth": (None, ("ako",))}
+STRATEGY_OPTIONS = {
+    "partitions": ("auto", ("ako",)),
+    "staleness": (None, ("ako", "ssp")),
+    "bandwidth": (None, ("ako",)),
+    "servers": (None, PARAMETER_SERVER),
+    "micro_batch": (None, ("absp",)),
+    "tau": (1, ("easgd",)),
+    "beta": (0.9, ("easgd",)),
+}
+SSP_STALENESS = 2  # ssp's bound when none is given
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -52,8 +63,13 @@ class TrainConfig:
     target_accuracy: float | None = None  # stop when rank 0's test accuracy reaches it
     eval_every: float = 0.5  # epochs between evaluations
     partitions: int | str = "auto"  # ako: p, or "auto"
-    staleness: int | None = None  # ako: bound s (0 = lock-step); None = unbounded
+    staleness: int | None = None  # ako: bound s (0 = lock-step), None = unbounded; ssp: s (default 2)
     bandwidth: str | None = None  # link budget, e.g. "1Gbit" or "50MB"; measured when None
+    servers: int | None = None  # parameter-server strategies: server processes (default 1)
+    micro_batch: int | None = None  # absp: samples per interruptible micro-batch (default batch_size // 4)
+    tau: int = 1  # easgd: steps between elastic averaging rounds
+    beta: float = 0.9  # easgd: moving rate; elastic alpha = beta / workers
+    straggler: tuple[str, ...] = ()  # e.g. ("rank=1,factor=3", "prob=0.1,factor=2"); see ako.cluster
     timeout: float = 60.0  # seconds any wait may take before the run fails
     seed: int = 0
     backend: str = "auto"
@@ -163,11 +179,34 @@ def validate(config: TrainConfig) -> TrainConfig:
     if c.bandwidth is not None:
         c.bandwidth = str(c.bandwidth)
         parse_bandwidth(c.bandwidth)
+    _validate_cluster(c)
     if not isinstance(c.nesterov, bool):
         raise ConfigError(f"nesterov {_show(c.nesterov)}: must be true or false")
     if c.progress is not None and not isinstance(c.progress, bool):
         raise ConfigError(f"progress {_show(c.progress)}: must be true or false")
     return c
+
+
+def _validate_cluster(c: TrainConfig) -> None:
+    """Servers, stragglers and the parameter-server strategies' own settings."""
+    if c.strategy in PARAMETER_SERVER:
+        c.servers = _integer("servers", 1 if c.servers is None else c.servers, low=1, high=1024)
+    if c.strategy == "ssp" and c.staleness is None:
+        c.staleness = SSP_STALENESS
+    if c.strategy == "absp":
+        default = max(1, c.batch_size // 4)
+        c.micro_batch = _integer("micro_batch", default if c.micro_batch is None else c.micro_batch, low=1)
+        if c.micro_batch > c.batch_size:
+            raise ConfigError(f"micro_batch {c.micro_batch}: must be at most batch_size {c.batch_size}")
+    c.tau = _integer("tau", c.tau, low=1, high=1_000_000)
+    c.beta = _number("beta", c.beta, low=0.0, high=1.0)
+    texts = [c.straggler] if isinstance(c.straggler, str) else c.straggler
+    if not isinstance(texts, (list, tuple)):
+        raise ConfigError(f"straggler {_show(c.straggler)}: must be a list of texts like 'rank=1,factor=3'")
+    try:
+        c.straggler = check_stragglers(texts, c.workers)
+    except ClusterError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _choice(what: str, value: str, allowed) -> None:
@@ -212,4 +251,5 @@ def _number(name, value, low, high=math.inf, low_open=False, high_open=False) ->
 
 def to_toml(config: TrainConfig) -> str:
     """The resolved config as TOML text (fields that are None are left out)."""
-    return tomli_w.dumps({k: v for k, v in dataclasses.asdict(config).items() if v is not None})
+    values = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
+    return tomli_w.dumps({k: v for k, v in values.items() if v is not None and v != []})

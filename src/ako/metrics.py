@@ -90,6 +90,20 @@ def format_summary(s: dict) -> str:
         f"  sent per worker  {s['bytes_sent_per_worker_per_second'] / 1e6:.2f} MB/s "
         f"(received {s['bytes_received_per_worker_per_second'] / 1e6:.2f} MB/s)",
     ]
+    for server in s.get("per_server", []):
+        lines.append(
+            f"  server rank {server['rank']:<4} in {server['bytes_in_per_second'] / 1e6:.2f} MB/s, "
+            f"out {server['bytes_out_per_second'] / 1e6:.2f} MB/s"
+        )
+    if s.get("staleness_mean") is not None:
+        lines.append(f"  staleness        mean {s['staleness_mean']:.2f}, max {s['staleness_max']} (server updates)")
+    if s.get("handed_in") is not None:
+        lines.append(
+            f"  absp             {s['handed_in']:.0%} of assigned samples handed in per iteration; "
+            f"oldest waiting sample {s['oldest_waiting']} iterations"
+        )
+    if s.get("lost_ranks"):
+        lines.append(f"  lost             worker rank{'s' if len(s['lost_ranks']) > 1 else ''} {', '.join(map(str, s['lost_ranks']))} died; the others carried on")
     if "partitions" in s:
         lines.append(f"  partitions       p = {s['partitions']} ({s['partitions_reason']})")
     if s.get("run_dir"):
@@ -107,29 +121,35 @@ def finite(record: dict) -> dict:
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
 
 
+_REPORT_KEYS = ("rank", "role", "steps", "samples", "bytes_sent", "bytes_received")
+
+
 def build_summary(
     strategy: str,
     config,
-    workers: int,
     dataset: str,
-    facts: dict,
+    reports: list[dict],
     records: list[dict],
     final: dict,
     average: tuple[float, float] | None,
-    per_worker: list[dict],
     train_seconds: float,
     wall_seconds: float,
 ) -> dict:
-    """The run summary (summary.json). Rates are per second of training (rank 0's clock, which
-    leaves out its evaluations); bytes are per worker, averaged over the workers."""
-    samples = sum(w["samples"] for w in per_worker)
+    """The run summary (summary.json) from rank 0's records and every live rank's report
+    (rank, role, steps, samples, bytes, scalar facts). Rates are per second of training (rank
+    0's clock, which leaves out its evaluations); bytes are per worker, averaged over the live
+    workers; each server's bytes in and out per second are listed as well."""
+    workers = [r for r in reports if r["role"] == "worker"]
+    servers = [r for r in reports if r["role"] == "server"]
+    samples = sum(w["samples"] for w in workers)
     seconds = max(train_seconds, 1e-9)
     summary = {
         "strategy": strategy,
-        "workers": workers,
+        "workers": config.workers,
         "model": config.model,
         "dataset": dataset,
         "epochs": final["epoch"],
+        "iterations": reports[0]["steps"],
         "test_accuracy": final["test_accuracy"],
         "test_loss": final["test_loss"],
         "average_accuracy": None if average is None else round(average[1], 5),
@@ -140,11 +160,16 @@ def build_summary(
         "wall_seconds": round(wall_seconds, 3),
         "samples": samples,
         "samples_per_second": round(samples / seconds, 1),
-        "bytes_sent_per_worker_per_second": round(sum(w["bytes_sent"] for w in per_worker) / workers / seconds),
+        "bytes_sent_per_worker_per_second": round(sum(w["bytes_sent"] for w in workers) / len(workers) / seconds),
         "bytes_received_per_worker_per_second": round(
-            sum(w["bytes_received"] for w in per_worker) / workers / seconds
+            sum(w["bytes_received"] for w in workers) / len(workers) / seconds
         ),
-        "per_worker": per_worker,
+        "per_worker": workers,
     }
-    summary.update({k: v for k, v in facts.items() if k != "steps" and isinstance(v, (str, int, float, bool))})
+    if servers:
+        summary["per_server"] = [
+            {**r, "bytes_in_per_second": round(r["bytes_received"] / seconds), "bytes_out_per_second": round(r["bytes_sent"] / seconds)}
+            for r in servers
+        ]  # fmt: skip
+    summary.update({k: v for k, v in reports[0].items() if k not in _REPORT_KEYS})
     return summary

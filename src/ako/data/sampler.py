@@ -83,6 +83,21 @@ class ShardSampler:
         start = position * self.batch_size
         return self._shard(epoch)[start : start + self.batch_size].clone()
 
+    def stream(self, start: int, count: int) -> torch.Tensor:
+        """Indices int64 ``(count,)`` at positions ``[start, start + count)`` of this worker's
+        sample stream: the batches of epoch 0, then of epoch 1, and so on, so that
+        ``batch(t) == stream(t * batch_size, batch_size)``. For consumers that take samples in
+        other amounts than whole batches (A-BSP's partial iterations)."""
+        _require(start >= 0 and count >= 0, f"start and count must be >= 0, got {start}, {count}")
+        per_epoch = self.steps_per_epoch * self.batch_size
+        parts = []
+        while count > 0:
+            epoch, position = divmod(start, per_epoch)
+            k = min(count, per_epoch - position)
+            parts.append(self._shard(epoch)[position : position + k])
+            start, count = start + k, count - k
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
     def _shard(self, epoch: int) -> torch.Tensor:
         """The cached shard of ``epoch``; callers must not modify it."""
         _require(epoch >= 0, f"epoch must be >= 0, got {epoch}")

@@ -9,6 +9,7 @@ carries out the strategy program's operations (`DistributedRuntime.run`).
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import statistics
 import sys
@@ -20,20 +21,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ako.config import to_toml
+from ako.config import ConfigError, to_toml
 from ako.data import fetch
 from ako.metrics import MetricsLog, build_summary, create_run_dir, format_summary, write_atomic, write_summary
 from ako.runtime.job import Job
-from ako.runtime.mailbox import PROBE, STOP, Mailbox, comm_error
+from ako.runtime.mailbox import FINAL, PROBE, REPORT, STOP, Mailbox, comm_error
 from ako.runtime.worker import Clock, WorkerState
-from ako.strategies import WorkerContext
+from ako.strategies import ServerContext, WorkerContext
 from ako.strategies.ops import (
     AllReduce,
     Compute,
+    ComputePartial,
     Gradient,
+    Lost,
     MeasureBandwidth,
     MeasureStep,
     Now,
+    PartialGradient,
+    PeerLost,
     Poll,
     Recv,
     Send,
@@ -69,15 +74,19 @@ def join_process_group(timeout: float, backend: str) -> tuple[int, int]:
 
 
 class DistributedRuntime:
-    """Carries out a strategy program's operations for this worker process.
+    """Carries out a strategy program's operations for this process (a worker or a server).
 
     `timeout` bounds every wait (seconds). The mailbox runs on a process group of its own.
+    With `survives_loss`, a dead peer is not an error: `Poll` leaves it out, a `Send` to it is
+    dropped, and only a `Recv` that waits on it (or on anyone, when every peer is dead) fails.
     """
 
-    def __init__(self, rank: int, world_size: int, timeout: float, device: torch.device):
+    def __init__(self, rank: int, world_size: int, timeout: float, device: torch.device, survives_loss: bool = False):
         self.rank, self.world_size, self.timeout, self.device = rank, world_size, timeout, device
+        self.survives_loss = survives_loss
         self.collective_bytes = 0  # as a ring all-reduce moves them: 2 (n-1)/n x bytes each way
         self.state: WorkerState | None = None
+        self.clock = Clock()
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         peers = [r for r in range(world_size) if r != rank]
         self.mailbox = Mailbox(rank, peers, group, timeout, on_stop=self._stop_requested)
@@ -89,15 +98,17 @@ class DistributedRuntime:
     def request_stop(self) -> None:
         """Tell every peer to stop (rank 0 reached the target accuracy)."""
         for peer in self.mailbox.peers:
-            self.mailbox.send(torch.empty(0), peer, STOP)
+            if peer not in self.mailbox.lost:
+                self.mailbox.send(torch.empty(0), peer, STOP)
 
     def bytes_moved(self) -> tuple[int, int]:
         """(sent, received) bytes so far, payloads plus collectives."""
         c = self.collective_bytes
         return self.mailbox.bytes_sent + c, self.mailbox.bytes_received + c
 
-    def run(self, program, ctx, state: WorkerState) -> dict:
-        """Drive the generator `program(ctx)` to its end; returns what it returns."""
+    def run(self, program, ctx, state: WorkerState | None) -> dict:
+        """Drive the generator `program(ctx)` to its end; returns what it returns. `state` is
+        None for a server (it computes nothing)."""
         self.state = state
         gen = program(ctx)
         result = None
@@ -112,27 +123,69 @@ class DistributedRuntime:
         """Carry out one operation of `ako.strategies.ops` and return its result."""
         match op:
             case Compute():
-                x, y = self.state.next_batch()
-                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-                loss = self.state.replica.compute_gradient(x, y)
-                self.state.computed(loss)
-                return Gradient(self.state.replica.grad, loss, len(y))
+                return self.compute()
+            case ComputePartial(micro_batch, stop_tag, iteration):
+                return self.compute_partial(micro_batch, stop_tag, iteration)
             case Send(tensor, dst, tag, step, aux):
-                self.mailbox.send(tensor.cpu(), dst, tag, step, aux)
+                if not (self.survives_loss and dst in self.mailbox.lost):
+                    self.mailbox.send(tensor.cpu(), dst, tag, step, aux, drop_lost=self.survives_loss)
                 return None
             case Recv(tag, src):
-                return self._to_device(self.mailbox.get(tag, src, self.timeout))
+                return self._to_device(self.mailbox.get(tag, src, self.timeout, tolerant=self.survives_loss))
             case Poll(tag):
-                return [self._to_device(m) for m in self.mailbox.poll(tag)]
+                return [self._to_device(m) for m in self.mailbox.poll(tag, tolerant=self.survives_loss)]
+            case Lost():
+                return frozenset(self.mailbox.lost)
             case AllReduce(tensor, reduce):
                 return self.all_reduce(tensor, reduce)
             case Now():
-                return self.state.clock.now()
+                return self.clock.now()
             case MeasureStep():
                 return self.measure_step()
             case MeasureBandwidth():
                 return self.measure_bandwidth()
         raise TypeError(f"unknown operation {op!r}")
+
+    def compute(self) -> Gradient:
+        """Forward and backward on the next mini-batch, slowed as the cluster says."""
+        state = self.state
+        x, y = state.next_batch()
+        slow = state.slowdown.factor() if state.slowdown.active else 1.0
+        loss = self._gradient(x, y, slow)
+        state.computed(loss)
+        return Gradient(state.replica.grad, loss, len(y))
+
+    def compute_partial(self, micro_batch: int, stop_tag: int, iteration: int) -> PartialGradient:
+        """A-BSP's interruptible computation (see `ops.ComputePartial`)."""
+        state = self.state
+        indices, since = state.next_assignment()
+        slow = state.slowdown.factor() if state.slowdown.active else 1.0
+        grad_sum = torch.zeros_like(state.replica.grad)
+        done, loss_sum = 0, 0.0
+        for chunk in indices.split(micro_batch):
+            if done and self._told_to_stop(stop_tag, iteration):
+                break
+            x, y = fetch(state.train_set, chunk)
+            loss_sum += self._gradient(x, y, slow) * len(y)
+            grad_sum.add_(state.replica.grad, alpha=len(y))
+            done += len(y)
+        oldest = state.processed(indices, since, done)
+        state.computed(loss_sum / done)
+        return PartialGradient(grad_sum, loss_sum / done, done, len(indices), oldest)
+
+    def _told_to_stop(self, tag: int, iteration: int) -> bool:
+        messages = self.mailbox.poll(tag, tolerant=self.survives_loss)
+        return any(m.step == iteration for m in messages)
+
+    def _gradient(self, x: torch.Tensor, y: torch.Tensor, slow: float) -> float:
+        """Gradient of one batch into the replica's buffer; a straggler then waits (slow - 1)
+        times the compute time it took (the cluster model of DESIGN.md)."""
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        start = time.perf_counter()
+        loss = self.state.replica.compute_gradient(x, y)
+        if slow > 1.0:
+            time.sleep((slow - 1.0) * (time.perf_counter() - start))
+        return loss
 
     def _to_device(self, message):
         if message.tensor.device == self.device:
@@ -191,22 +244,56 @@ class DistributedRuntime:
             best = max(best, _PROBE_BYTES / (time.perf_counter() - t))
         return best
 
-    def gather_counts(self, state: WorkerState) -> list[dict]:
-        """Every worker's steps, samples and bytes sent and received, by rank."""
-        sent, received = self.bytes_moved()
-        counts = torch.tensor([state.step, state.samples, sent, received], dtype=torch.float64)
-        every = [torch.empty_like(counts) for _ in range(self.world_size)]
-        dist.all_gather(every, counts, async_op=True).wait(timedelta(seconds=self.timeout))
-        keys = ("steps", "samples", "bytes_sent", "bytes_received")
-        return [{"rank": r, **{k: int(v) for k, v in zip(keys, c.tolist())}} for r, c in enumerate(every)]
+    def finish(self, facts: dict, params: torch.Tensor | None) -> tuple[list[dict], list[torch.Tensor]]:
+        """After training: every rank reports to rank 0 by message (no collective, so a dead
+        peer cannot block it) its role, steps, samples, bytes and scalar facts, and, when
+        `params` is given (decentralised strategies), its final parameters (numel,).
 
-    def average(self, params: torch.Tensor) -> torch.Tensor:
-        """The mean of every worker's `params` (not counted as training traffic)."""
-        return self.all_reduce(params.clone(), count=False).div_(self.world_size)
+        Returns, on rank 0, one report per live rank (by rank) and the live workers' parameters;
+        elsewhere ([], []). Ranks that died are in `self.mailbox.lost`."""
+        report = self._own_report(facts)
+        if self.rank != 0:
+            self.mailbox.send(_encode(report), 0, REPORT)
+            if params is not None:
+                self.mailbox.send(params.cpu(), 0, FINAL)
+            return [], []
+        reports, finals = [report], [] if params is None else [params.cpu()]
+        for peer in self.mailbox.peers:
+            try:
+                reports.append(_decode(self.mailbox.get(REPORT, peer, self.timeout).tensor))
+                if params is not None and reports[-1]["role"] == "worker":
+                    finals.append(self.mailbox.get(FINAL, peer, self.timeout).tensor)
+            except PeerLost:
+                if not self.survives_loss:
+                    raise
+        return reports, finals
+
+    def _own_report(self, facts: dict) -> dict:
+        state = self.state
+        sent, received = self.bytes_moved()
+        scalars = {k: v for k, v in facts.items() if isinstance(v, (str, int, float, bool))}
+        return {
+            "rank": self.rank,
+            "role": "worker" if state is not None else "server",
+            "steps": state.step if state is not None else 0,
+            "samples": state.samples if state is not None else 0,
+            "bytes_sent": sent,
+            "bytes_received": received,
+            **scalars,
+        }
 
     def close(self) -> None:
         """Say goodbye to every peer and wait for theirs (at most `timeout` seconds)."""
         self.mailbox.close(self.timeout)
+
+
+def _encode(report: dict) -> torch.Tensor:
+    """A report as a uint8 tensor of its JSON text (nothing received is ever unpickled)."""
+    return torch.tensor(list(json.dumps(report).encode()), dtype=torch.uint8)
+
+
+def _decode(tensor: torch.Tensor) -> dict:
+    return json.loads(bytes(tensor.tolist()).decode())
 
 
 @dataclass
@@ -240,7 +327,8 @@ def name_process(name: str) -> None:
 
 
 def run_worker(job: Job) -> WorkerResult:
-    """Train as one worker of the job whose group the elastic agent's environment describes."""
+    """Run as one process of the job whose group the elastic agent's (or launcher's)
+    environment describes: ranks below `config.workers` are workers, the rest servers."""
     torch.set_num_threads(1)  # one thread per worker process: more oversubscribes the cores
     config = job.config
     backend, device = pick_device(config.backend)
@@ -248,44 +336,55 @@ def run_worker(job: Job) -> WorkerResult:
         rank, world = join_process_group(config.timeout, backend)
     except (RuntimeError, dist.DistError) as e:
         raise RuntimeError(f"the workers did not all join within {config.timeout:g} s: {comm_error(e)}") from None
-    name_process(f"ako-rank{rank}")
-    result = _train(replace(job, config=replace(config, workers=world)), rank, world, device)
-    # Only after success: on failure a receive thread may be blocked on a stuck peer, and
-    # destroying the group under it could wait for ever; the process exits instead.
-    dist.destroy_process_group()
+    servers = config.servers or 0
+    if world <= servers:
+        raise ConfigError(f"servers {servers}: the world size {world} leaves no workers")
+    name_process(f"ako-{'rank' if rank < world - servers else 'server'}{rank}")
+    result, lost = _train(replace(job, config=replace(config, workers=world - servers)), rank, world, device)
+    # Only after success with every peer alive: a receive thread may be blocked on a stuck or
+    # dead peer, and destroying the group under it could wait for ever; the process exits instead.
+    if not lost:
+        dist.destroy_process_group()
     return result
 
 
-def _train(job: Job, rank: int, world: int, device: torch.device) -> WorkerResult:
+def _train(job: Job, rank: int, world: int, device: torch.device) -> tuple[WorkerResult, bool]:
     data = job.load_data()
     # what the run really used: the data set `auto` chose, the user's own model or data
     model = "custom" if job.model_fn is not None else job.config.model
     job = replace(job, config=replace(job.config, dataset=data.name, model=model))
     config, strategy = job.config, job.strategy
+    n = config.workers
     replica = job.build_replica(data, device)
     job.validate(data, replica.numel)
     try:
-        runtime = DistributedRuntime(rank, world, config.timeout, device)
+        runtime = DistributedRuntime(rank, world, config.timeout, device, strategy.survives_loss)
         runtime.broadcast(replica.params)  # identical replicas, whatever the model factory did
     except (RuntimeError, dist.DistError) as e:
         raise RuntimeError(f"the workers did not all get ready within {config.timeout:g} s: {comm_error(e)}") from None
     run_dir = _open_run_dir(config, strategy.name, data) if rank == 0 else None
     log = MetricsLog(run_dir / "metrics.jsonl") if run_dir else None
-    clock = Clock()
-    state = WorkerState(
-        config, rank, world, data.train, data.test, replica, clock, log, runtime.bytes_moved, runtime.request_stop
-    )
+    servers = list(range(n, world))
+    if rank < n:
+        state = WorkerState(
+            config, rank, n, data.train, data.test, replica, runtime.clock, log, runtime.bytes_moved, runtime.request_stop
+        )  # fmt: skip
+        program, ctx = strategy.worker, WorkerContext(rank, n, replica, config, state.should_stop, servers)
+    else:
+        state, program = None, strategy.server
+        ctx = ServerContext(rank, rank - n, servers, list(range(n)), replica, config)
     runtime.barrier()  # start the clocks together
-    clock.begin()
-    facts = runtime.run(strategy.worker, WorkerContext(rank, world, replica, config, state.should_stop), state)
-    clock.stop()
+    runtime.clock.begin()
+    facts = runtime.run(program, ctx, state)
+    runtime.clock.stop()
+    final = replica.params if strategy.decentralised and state is not None else None
+    reports, finals = runtime.finish(facts, final)
     runtime.close()
-    per_worker = runtime.gather_counts(state)
-    average = runtime.average(replica.params) if strategy.decentralised else None
     summary = None
     if rank == 0:
-        summary = _report(job, data, state, facts, per_worker, average, run_dir)
-    return WorkerResult(rank, replica.params.cpu().clone(), facts, summary)
+        average = torch.stack(finals).mean(0).to(device) if finals else None
+        summary = _report(job, data, state, reports, average, sorted(runtime.mailbox.lost), run_dir)
+    return WorkerResult(rank, replica.params.cpu().clone(), facts, summary), bool(runtime.mailbox.lost)
 
 
 def _open_run_dir(config, strategy: str, data) -> Path:
@@ -296,14 +395,17 @@ def _open_run_dir(config, strategy: str, data) -> Path:
     return run_dir
 
 
-def _report(job: Job, data, state: WorkerState, facts: dict, per_worker, average, run_dir: Path) -> dict:
+def _report(job: Job, data, state: WorkerState, reports: list[dict], average, lost: list[int], run_dir: Path) -> dict:
     """Rank 0, after training: evaluate, write summary.json, print the summary."""
     final = state.finish()
     average_eval = None if average is None else state.replica.evaluate_params(average, data.test)
     summary = build_summary(
-        job.strategy.name, job.config, state.world_size, data.name, facts, state.log.records, final,
-        average_eval, per_worker, state.clock.now(), state.clock.wall(),
+        job.strategy.name, job.config, data.name, reports, state.log.records, final,
+        average_eval, state.clock.now(), state.clock.wall(),
     )  # fmt: skip
+    if job.strategy.summarise is not None:
+        summary.update(job.strategy.summarise(reports))
+    summary["lost_ranks"] = lost
     summary["run_dir"] = str(run_dir)
     write_summary(run_dir, summary)
     try:

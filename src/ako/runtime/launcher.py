@@ -1,23 +1,25 @@
-"""Start the workers of a job on this machine with torch's elastic launch machinery (what
-torchrun uses), and turn a failed worker into one line naming its rank and exit status."""
+"""Start the processes of a job on this machine, as torchrun would, and watch them: a failed
+process becomes one line naming its rank and exit status, and a process that dies ends the job
+unless the strategy carries on without it. (torch's own elastic agent stops every process
+when one fails, so it cannot run a job that survives the loss of a worker.)"""
 
 from __future__ import annotations
 
-import logging
+import ctypes
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import signal
 import sys
+import threading
 import time
-import uuid
 from contextlib import contextmanager
 from dataclasses import replace
+from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from ako.config import ConfigError
 from ako.data import DataError
@@ -43,14 +45,14 @@ def worker_entry(job: Job) -> WorkerResult:
     expected failure (set AKO_DEBUG=1 for the traceback), 130 on Ctrl-C."""
     try:
         return _numpy(run_worker(job))
-    except KeyboardInterrupt:  # the agent reports it once, for every worker
+    except KeyboardInterrupt:  # the launcher reports it once, for every worker
         _exit_now(130)
     except EXPECTED_FAILURES as e:
         if os.environ.get("AKO_DEBUG"):
             raise
         print(f"ako: worker rank {os.environ.get('RANK', '?')}: {one_line(e)}", file=sys.stderr)
-        # Often this worker only noticed another's death: give the agent a moment to see that
-        # one first, so that its report names the root cause.
+        # Often this worker only noticed another's death: give the launcher a moment to see
+        # that one first, so that its report names the root cause.
         time.sleep(1.0)
         _exit_now(1)
 
@@ -80,51 +82,131 @@ def _exit_now(status: int) -> None:
     os._exit(status)
 
 
-def launch(job: Job, workers: int) -> dict[int, WorkerResult]:
-    """Run `job` on `workers` local processes; returns each rank's result.
-
-    Raises WorkerFailed as soon as any worker fails (the others are stopped by the agent).
-    """
-    results = launch_function(worker_entry, workers, job, timeout=job.config.timeout)
+def launch(job: Job, processes: int) -> dict[int, WorkerResult]:
+    """Run `job` on `processes` local processes (workers, then servers); returns each surviving
+    rank's result. Raises WorkerFailed when a worker fails, unless the strategy survives the
+    loss of a worker other than rank 0 (the others then carry on; rank 0 reports the loss)."""
+    survivable = range(1, job.config.workers) if job.strategy.survives_loss else ()
+    results = launch_function(worker_entry, processes, job, timeout=job.config.timeout, survivable=survivable)
     return {rank: _torch(result) for rank, result in results.items()}
 
 
-def launch_function(fn, processes: int, *args, timeout: float = 60.0) -> dict:
-    """Run `fn(*args)` in `processes` spawned processes under torch's elastic agent, as torchrun
-    would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set); returns {rank: fn's result}.
-    `fn` must be importable (spawned processes unpickle it). Raises WorkerFailed."""
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=processes,
-        run_id=f"ako-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        rdzv_configs={"timeout": int(max(30, timeout))},
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-        shutdown_timeout=5,  # seconds from SIGTERM to SIGKILL for workers that outlive a failure
-    )
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # c10d's socket warnings; ako reports failures itself
-    with _quiet_agent():
+def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable=()) -> dict:
+    """Run `fn(*args)` in `processes` spawned processes, as torchrun would start them (RANK,
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, one thread each); returns {rank:
+    fn's result} for every process that succeeded. `fn` must be importable (spawned processes
+    unpickle it).
+
+    The launcher hosts the job's TCPStore and watches its processes: when one fails, the others
+    are stopped (SIGTERM, SIGKILL 5 s later) and WorkerFailed names the rank, unless the rank
+    is in `survivable`. Ctrl-C or SIGTERM stops them all and raises
+    KeyboardInterrupt. `timeout` bounds start-up (seconds)."""
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "WORLD_SIZE": str(processes),
+        "LOCAL_WORLD_SIZE": str(processes),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),  # ako reports failures itself
+    }
+    context = mp.get_context("spawn")
+    group = _Group()
+    with _terminate_on_sigterm():
         try:
-            return elastic_launch(config, fn)(*args)
-        except ChildFailedError as e:
-            raise WorkerFailed(describe_failures(e)) from None
-        except SignalException as e:  # the agent stopped the workers on SIGINT or SIGTERM
-            raise KeyboardInterrupt(str(e)) from None
+            for rank in range(processes):
+                group.start(context, fn, args, rank, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+            return group.watch(set(survivable))
+        finally:
+            group.stop()
+            del store
 
 
-def describe_failures(error: ChildFailedError) -> str:
-    """One line: which rank failed first and how, and which others failed after it."""
-    first_rank, first = error.get_first_failure()
-    text = f"worker rank {first_rank} failed: {_exit_status(first.exitcode)}"
-    others = sorted(r for r in error.failures if r != first_rank)
-    if others:
-        text += f"; then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))} stopped"
-    return text
+class _Group:
+    """The launched processes, their result pipes, and what became of each."""
+
+    def __init__(self):
+        self.procs: dict[int, mp.Process] = {}
+        self.pipes: dict[int, object] = {}
+        self.results: dict[int, object] = {}
+
+    def start(self, context, fn, args, rank: int, env: dict) -> None:
+        receiver, sender = context.Pipe(duplex=False)
+        proc = context.Process(target=_child, args=(fn, args, env, sender), name=f"ako-rank{rank}")
+        proc.start()
+        sender.close()
+        self.procs[rank], self.pipes[rank] = proc, receiver
+
+    def watch(self, survivable: set[int]) -> dict:
+        """Collect results until every process has ended; raise WorkerFailed on a failure that
+        ends the job."""
+        lost: dict[int, str] = {}
+        running = set(self.procs)
+        while running:
+            waitables = [self.procs[r].sentinel for r in running] + [self.pipes[r] for r in running if r not in self.results]
+            mp_connection.wait(waitables, timeout=1.0)
+            for rank in sorted(running):
+                self._read(rank)
+                code = self.procs[rank].exitcode
+                if code is None:
+                    continue
+                running.discard(rank)
+                if code == 0 and rank in self.results:
+                    continue
+                if code in (130, -signal.SIGINT):
+                    raise KeyboardInterrupt(f"worker rank {rank} was interrupted")
+                lost[rank] = _exit_status(code) if code else "exited without a result"
+                if rank not in survivable:
+                    raise WorkerFailed(f"worker rank {rank} failed: {lost[rank]}")
+        return self.results
+
+    def _read(self, rank: int) -> None:
+        pipe = self.pipes[rank]
+        if rank not in self.results and pipe.poll():
+            try:
+                self.results[rank] = pipe.recv()
+            except EOFError:  # it died before sending
+                self.results.pop(rank, None)
+
+    def stop(self) -> None:
+        """SIGTERM every process still running, SIGKILL what is left 5 s later."""
+        alive = [p for p in self.procs.values() if p.is_alive()]
+        for proc in alive:
+            proc.terminate()
+        deadline = time.monotonic() + 5.0
+        for proc in alive:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def _child(fn, args, env: dict, pipe) -> None:
+    """A launched process: die with the launcher, take the environment, run, send the result."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    os.environ.update(env)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    pipe.send(fn(*args))
+    pipe.close()
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextmanager
+def _terminate_on_sigterm():
+    """While the workers run, SIGTERM to the launcher stops them as Ctrl-C does (only the main
+    thread may set signal handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _exit_status(code: int) -> str:
@@ -140,23 +222,3 @@ def one_line(e: BaseException) -> str:
     """The first line of an error's message, at most 300 characters."""
     lines = str(e).strip().splitlines()
     return (lines[0] if lines else type(e).__name__)[:300]
-
-
-@contextmanager
-def _quiet_agent():
-    """The elastic agent logs each failure with a traceback of its own; ako reports it in one
-    line. torch gives each of its modules' loggers a level of its own, so set them all."""
-    prefixes = ("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher", "torchelastic")
-    import torch.distributed.elastic.agent.server.api  # noqa: F401  (creates its logger now)
-
-    loggers = [
-        logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith(prefixes)
-    ]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)

@@ -7,7 +7,8 @@ send. One receive thread per peer posts `recv`s in a loop and files messages by 
 that dies breaks its connection, its thread records that at once, and any wait on it fails
 with `PeerLost` naming the rank (an any-source `recv` would not notice a dead peer).
 A live peer may be silent for as long as it likes: the waits for messages have the timeouts. Negative
-tags are the runtime's own: STOP (the target accuracy was reached) and CLOSE (the peer is done).
+tags are the runtime's own: STOP (the target accuracy was reached), CLOSE (the peer is done),
+PROBE (bandwidth probe), REPORT and FINAL (end-of-run counts and parameters for rank 0).
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ import torch.distributed as dist
 
 from ako.strategies.ops import Message, PeerLost
 
-STOP, CLOSE, PROBE = -1, -2, -3
+STOP, CLOSE, PROBE, REPORT, FINAL = -1, -2, -3, -4, -5
 _HEADER_TAG, _PAYLOAD_TAG = 1, 2
 _FOREVER = timedelta(days=365)
-_DTYPES = [torch.float32, torch.float64, torch.int64, torch.float16, torch.bfloat16]
+_DTYPES = [torch.float32, torch.float64, torch.int64, torch.float16, torch.bfloat16, torch.uint8]
 
 
 @dataclass
@@ -64,11 +65,12 @@ class Mailbox:
         for thread in self.threads:
             thread.start()
 
-    def send(self, tensor: torch.Tensor, dst: int, tag: int, step: int = 0, aux: int = 0) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, tag: int, step: int = 0, aux: int = 0, drop_lost: bool = False) -> None:
         """Start sending `tensor` (flat, contiguous, CPU) to `dst`; returns at once.
 
         Raises PeerLost when `dst` is gone, or has taken none of our messages for `timeout`
-        seconds (stuck): unsent messages would otherwise pile up without bound.
+        seconds (stuck): unsent messages would otherwise pile up without bound. With
+        `drop_lost`, sends to a peer that is gone are dropped instead.
         """
         header = torch.tensor([tag, step, aux, tensor.numel(), _DTYPES.index(tensor.dtype)], dtype=torch.int64)
         try:
@@ -76,9 +78,11 @@ class Mailbox:
             if tensor.numel():
                 works.append(dist.isend(tensor, dst, group=self.group, tag=_PAYLOAD_TAG))
         except RuntimeError as e:
+            if drop_lost:
+                return
             raise PeerLost(dst, comm_error(e)) from None
         now = time.monotonic()
-        self.pending = [p for p in self.pending if not p.work.is_completed()]
+        self.pending = [p for p in self.pending if not p.work.is_completed() and not (drop_lost and p.dst in self.lost)]
         for p in self.pending:
             if now - p.posted > self.timeout:
                 raise PeerLost(p.dst, f"took no message for {self.timeout:g} s (stuck, or far too slow)")
@@ -86,11 +90,11 @@ class Mailbox:
         if tag >= 0:  # the runtime's own messages are not training traffic
             self.bytes_sent += tensor.numel() * tensor.element_size()
 
-    def get(self, tag: int, src: int | None, timeout: float) -> Message:
+    def get(self, tag: int, src: int | None, timeout: float, tolerant: bool = False) -> Message:
         """Wait up to `timeout` seconds for the next message with `tag` (from `src`, or any).
 
-        Raises PeerLost when the awaited peer (or, for any source, every peer that could still
-        send) is gone, and TimeoutError after `timeout` seconds of silence.
+        Raises PeerLost when the awaited peer is gone (for any source: any peer, or, when
+        `tolerant`, every peer), and TimeoutError after `timeout` seconds of silence.
         """
         deadline = time.monotonic() + timeout
         with self.cond:
@@ -98,17 +102,19 @@ class Mailbox:
                 message = self._take(tag, src)
                 if message is not None:
                     return message
-                self._raise_if_lost(src)
+                self._raise_if_lost(src, tolerant)
                 left = deadline - time.monotonic()
                 if left <= 0:
                     who = "any peer" if src is None else f"worker rank {src}"
                     raise TimeoutError(f"no message from {who} for {timeout:g} s (tag {tag})")
                 self.cond.wait(left)
 
-    def poll(self, tag: int) -> list[Message]:
-        """Every message with `tag` received so far, oldest first. Raises PeerLost if a peer is gone."""
+    def poll(self, tag: int, tolerant: bool = False) -> list[Message]:
+        """Every message with `tag` received so far, oldest first. Raises PeerLost if a peer is
+        gone, unless `tolerant`."""
         with self.cond:
-            self._raise_if_lost(None)
+            if not tolerant:
+                self._raise_if_lost(None)
             queue = self.queues.get(tag)
             if not queue:
                 return []
@@ -120,12 +126,12 @@ class Mailbox:
         """Tell every peer we are done, wait for theirs and for our sends to complete."""
         for peer in self.peers:
             if peer not in self.lost:
-                self.send(torch.empty(0), peer, CLOSE)
+                self.send(torch.empty(0), peer, CLOSE, drop_lost=True)
         deadline = time.monotonic() + timeout
         for thread in self.threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         for p in self.pending:
-            if not p.work.is_completed():
+            if not p.work.is_completed() and p.dst not in self.lost:
                 p.work.wait(timedelta(seconds=max(0.1, deadline - time.monotonic())))
         self.pending = []
 
@@ -141,10 +147,10 @@ class Mailbox:
                 return message
         return None
 
-    def _raise_if_lost(self, src: int | None) -> None:
+    def _raise_if_lost(self, src: int | None, tolerant: bool = False) -> None:
         if src is not None and src in self.lost:
             raise PeerLost(src, self.lost[src])
-        if src is None and self.lost:
+        if src is None and self.lost and (not tolerant or len(self.lost) == len(self.peers)):
             rank = min(self.lost)
             raise PeerLost(rank, self.lost[rank])
 

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
+from ako.cluster import Slowdown, parse_straggler
 from ako.config import TrainConfig
 from ako.data import ShardSampler, fetch
 from ako.metrics import MetricsLog
@@ -82,9 +83,15 @@ class WorkerState:
         per_epoch = self.sampler.steps_per_epoch
         self.planned_steps = max(1, round(config.epochs * per_epoch))
         self.eval_steps = max(1, round(config.eval_every * per_epoch))
+        self.slowdown = Slowdown([parse_straggler(t) for t in config.straggler], rank, config.seed)
         self.step = 0
         self.samples = 0
         self.stop_requested = False
+        # A-BSP: samples assigned but not processed (first in line next time), with the
+        # iteration each was first assigned in, and how far the sample stream has been taken
+        self.waiting = torch.empty(0, dtype=torch.int64)
+        self.waiting_since = torch.empty(0, dtype=torch.int64)
+        self.taken = 0
         self.snapshots: list[tuple[dict, torch.Tensor]] = []  # awaiting evaluation
         self.bar = None
         if rank == 0:
@@ -98,12 +105,33 @@ class WorkerState:
     def next_batch(self):
         """The next mini-batch (x (B, C, H, W), y (B,)); takes an evaluation snapshot first
         when one is due."""
-        if self.log is not None and self.step % self.eval_steps == 0:
-            self.snapshot()
+        self._before_step()
         x, y = fetch(self.train_set, self.sampler.batch(self.step))
         self.step += 1
         self.samples += len(y)
         return x, y
+
+    def next_assignment(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A-BSP: this iteration's samples (indices int64 (B,)): those left waiting last time
+        first, then fresh ones up to a mini-batch; and the iteration each was first assigned in."""
+        self._before_step()
+        fresh = self.sampler.stream(self.taken, self.config.batch_size - len(self.waiting))
+        self.taken += len(fresh)
+        indices = torch.cat([self.waiting, fresh])
+        since = torch.cat([self.waiting_since, torch.full_like(fresh, self.step)])
+        self.step += 1
+        return indices, since
+
+    def processed(self, indices: torch.Tensor, since: torch.Tensor, count: int) -> int:
+        """A-BSP: the first `count` of the assignment were processed; the rest wait for next
+        time. Returns the age in iterations of the oldest sample now waiting (0 if none)."""
+        self.samples += count
+        self.waiting, self.waiting_since = indices[count:], since[count:]
+        return 0 if len(self.waiting) == 0 else int(self.step - self.waiting_since.min())
+
+    def _before_step(self) -> None:
+        if self.log is not None and self.step % self.eval_steps == 0:
+            self.snapshot()
 
     def computed(self, loss: float) -> None:
         """Called after each gradient: moves the progress bar (rank 0)."""

@@ -5,11 +5,11 @@ program sees of its runtime besides the operations it yields.
 """
 
 from ako.strategies import ako, allreduce
-from ako.strategies.base import Strategy, WorkerContext
+from ako.strategies.base import ServerContext, Strategy, WorkerContext
 
 STRATEGIES: dict[str, Strategy] = {
     "allreduce": Strategy("allreduce", allreduce.worker, decentralised=False),
     "ako": Strategy("ako", ako.worker, decentralised=True, check=ako.check),
 }
 
-__all__ = ["STRATEGIES", "Strategy", "WorkerContext"]
+__all__ = ["STRATEGIES", "ServerContext", "Strategy", "WorkerContext"]

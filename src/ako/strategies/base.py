@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ako.config import TrainConfig
 from ako.replica import Replica
 
 WorkerProgram = Callable[["WorkerContext"], Generator[Any, Any, dict]]
+ServerProgram = Callable[["ServerContext"], Generator[Any, Any, dict]]
 ConfigCheck = Callable[[TrainConfig, int], None]
 
 
@@ -23,10 +24,11 @@ class WorkerContext:
     """
 
     rank: int
-    world_size: int
+    world_size: int  # workers (servers not counted)
     replica: Replica
     config: TrainConfig
     should_stop: Callable[[], bool]
+    servers: list[int] = field(default_factory=list)  # the parameter servers' ranks, if any
 
     @property
     def stopping(self) -> bool:
@@ -38,14 +40,33 @@ class WorkerContext:
         return [r for r in range(self.world_size) if r != self.rank]
 
 
+@dataclass
+class ServerContext:
+    """A parameter server's view of the run. Server `index` (of `len(servers)`) owns the
+    parameters [lo, hi) of the flat vector; `replica` holds the initial parameters (every rank
+    builds one). `workers` are the workers' ranks."""
+
+    rank: int
+    index: int
+    servers: list[int]
+    workers: list[int]
+    replica: Replica
+    config: TrainConfig
+
+
 @dataclass(frozen=True)
 class Strategy:
-    """A named worker program. The program returns a dict of facts for the run summary.
+    """A named worker program, and a server program for parameter-server strategies. Each
+    returns a dict of facts; scalar facts reach the run summary (per rank in `per_worker`).
     `decentralised`: replicas may differ, so the summary also evaluates their average.
+    `survives_loss`: the run carries on when a worker other than rank 0 dies.
     `check(config, numel)` raises ConfigError for options the model cannot take (before any
-    process starts)."""
+    process starts). `summarise(per_rank)` adds strategy-specific totals to the summary."""
 
     name: str
     worker: WorkerProgram
     decentralised: bool
     check: ConfigCheck | None = None
+    server: ServerProgram | None = None
+    survives_loss: bool = False
+    summarise: Callable[[list[dict]], dict] | None = None

@@ -35,6 +35,34 @@ class Gradient:
 
 
 @dataclass(frozen=True)
+class ComputePartial:
+    """A-BSP's interruptible computation (Wang et al., Middleware 2018): work through this
+    iteration's assignment (the samples left over from last time first, then fresh ones, up to
+    a mini-batch) in micro-batches of `micro_batch` samples, and stop early, after the current
+    micro-batch, once a message with `stop_tag` and step == `iteration` has arrived. At least
+    one micro-batch is always processed. Result: `PartialGradient`; the samples not processed
+    go first next time."""
+
+    micro_batch: int
+    stop_tag: int
+    iteration: int
+
+
+@dataclass(frozen=True)
+class PartialGradient:
+    """Result of `ComputePartial`: `grad_sum` (numel,) is the SUM of the per-sample gradients
+    of the `samples` processed (a fresh tensor); `assigned` is how many the assignment held;
+    `loss` the mean loss of the processed samples; `oldest` the age in iterations of the oldest
+    sample still waiting (0 when none waits)."""
+
+    grad_sum: torch.Tensor
+    loss: float
+    samples: int
+    assigned: int
+    oldest: int
+
+
+@dataclass(frozen=True)
 class Send:
     """Send `tensor` to worker `dst` without waiting. `tag` (>= 0) selects the receiver's queue;
     `step` and `aux` are two integers that travel in the message header. Result: None."""
@@ -60,7 +88,8 @@ class Message:
 @dataclass(frozen=True)
 class Recv:
     """Wait for the next message with `tag` (from `src`, or from anyone when None), up to the
-    run's timeout. Result: `Message`. Raises `PeerLost` when the awaited peer is gone."""
+    run's timeout. Result: `Message`. Raises `PeerLost` when the awaited peer is gone (for any
+    source: when any peer is gone, or, if the strategy survives losses, when every peer is)."""
 
     tag: int
     src: int | None = None
@@ -68,7 +97,8 @@ class Recv:
 
 @dataclass(frozen=True)
 class Poll:
-    """Take every message with `tag` that has arrived, without waiting. Result: list[Message]."""
+    """Take every message with `tag` that has arrived, without waiting. Result: list[Message].
+    Raises `PeerLost` when a peer is gone, unless the strategy survives losses."""
 
     tag: int
 
@@ -84,6 +114,12 @@ class AllReduce:
 @dataclass(frozen=True)
 class Now:
     """Result: seconds since training started on the runtime's clock (wall or virtual)."""
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Result: the frozenset of peer ranks known to be dead (for strategies that survive losses;
+    a `Send` to a dead peer is dropped)."""
 
 
 @dataclass(frozen=True)
