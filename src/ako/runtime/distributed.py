@@ -108,16 +108,20 @@ class DistributedRuntime:
 
     def run(self, program, ctx, state: WorkerState | None) -> dict:
         """Drive the generator `program(ctx)` to its end; returns what it returns. `state` is
-        None for a server (it computes nothing)."""
+        None for a server (it computes nothing). A `PeerLost` is raised inside the program, at
+        the operation that met it."""
         self.state = state
         gen = program(ctx)
-        result = None
+        result, lost = None, None
         while True:
             try:
-                op = gen.send(result)
+                op = gen.send(result) if lost is None else gen.throw(lost)
             except StopIteration as done:
                 return done.value or {}
-            result = self.execute(op)
+            try:
+                result, lost = self.execute(op), None
+            except PeerLost as e:  # raised inside the program, which may carry on without the peer
+                result, lost = None, e
 
     def execute(self, op):
         """Carry out one operation of `ako.strategies.ops` and return its result."""
@@ -135,7 +139,9 @@ class DistributedRuntime:
             case Poll(tag):
                 return [self._to_device(m) for m in self.mailbox.poll(tag, tolerant=self.survives_loss)]
             case Lost():
-                return frozenset(self.mailbox.lost)
+                with self.mailbox.cond:
+                    self.mailbox.told.update(self.mailbox.lost)
+                    return frozenset(self.mailbox.lost)
             case AllReduce(tensor, reduce):
                 return self.all_reduce(tensor, reduce)
             case Now():
@@ -171,7 +177,7 @@ class DistributedRuntime:
             done += len(y)
         oldest = state.processed(indices, since, done)
         state.computed(loss_sum / done)
-        return PartialGradient(grad_sum, loss_sum / done, done, len(indices), oldest)
+        return PartialGradient(grad_sum, loss_sum / done, done, indices, oldest)
 
     def _told_to_stop(self, tag: int, iteration: int) -> bool:
         messages = self.mailbox.poll(tag, tolerant=self.survives_loss)
@@ -383,7 +389,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device) -> tuple[Worke
     summary = None
     if rank == 0:
         average = torch.stack(finals).mean(0).to(device) if finals else None
-        summary = _report(job, data, state, reports, average, sorted(runtime.mailbox.lost), run_dir)
+        summary = _report(job, data, state, reports, average, facts.get("centre"), sorted(runtime.mailbox.lost), run_dir)
     return WorkerResult(rank, replica.params.cpu().clone(), facts, summary), bool(runtime.mailbox.lost)
 
 
@@ -395,8 +401,10 @@ def _open_run_dir(config, strategy: str, data) -> Path:
     return run_dir
 
 
-def _report(job: Job, data, state: WorkerState, reports: list[dict], average, lost: list[int], run_dir: Path) -> dict:
-    """Rank 0, after training: evaluate, write summary.json, print the summary."""
+def _report(job: Job, data, state: WorkerState, reports: list[dict], average, centre, lost: list[int], run_dir: Path) -> dict:
+    """Rank 0, after training: evaluate, write summary.json, print the summary. `average` is the
+    live workers' mean replica (decentralised strategies), `centre` the model a strategy with a
+    centre variable reports (a worker program's `centre` fact), each (numel,) or None."""
     final = state.finish()
     average_eval = None if average is None else state.replica.evaluate_params(average, data.test)
     summary = build_summary(
@@ -405,6 +413,9 @@ def _report(job: Job, data, state: WorkerState, reports: list[dict], average, lo
     )  # fmt: skip
     if job.strategy.summarise is not None:
         summary.update(job.strategy.summarise(reports))
+    if centre is not None:
+        loss, accuracy = state.replica.evaluate_params(centre.to(state.replica.params.device), data.test)
+        summary["centre_accuracy"], summary["centre_loss"] = round(accuracy, 5), round(loss, 5)
     summary["lost_ranks"] = lost
     summary["run_dir"] = str(run_dir)
     write_summary(run_dir, summary)

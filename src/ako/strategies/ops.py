@@ -51,15 +51,19 @@ class ComputePartial:
 @dataclass(frozen=True)
 class PartialGradient:
     """Result of `ComputePartial`: `grad_sum` (numel,) is the SUM of the per-sample gradients
-    of the `samples` processed (a fresh tensor); `assigned` is how many the assignment held;
-    `loss` the mean loss of the processed samples; `oldest` the age in iterations of the oldest
-    sample still waiting (0 when none waits)."""
+    of the first `samples` of the assignment `indices` (int64 (assigned,), data set indices);
+    `loss` the mean loss of those; `oldest` the age in iterations of the oldest sample still
+    waiting (0 when none waits)."""
 
     grad_sum: torch.Tensor
     loss: float
     samples: int
-    assigned: int
+    indices: torch.Tensor
     oldest: int
+
+    @property
+    def assigned(self) -> int:
+        return len(self.indices)
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,8 @@ class Message:
 class Recv:
     """Wait for the next message with `tag` (from `src`, or from anyone when None), up to the
     run's timeout. Result: `Message`. Raises `PeerLost` when the awaited peer is gone (for any
-    source: when any peer is gone, or, if the strategy survives losses, when every peer is)."""
+    source: when any peer is gone, or, if the strategy survives losses, once for each peer whose
+    loss neither an earlier `Recv` nor `Lost` has reported)."""
 
     tag: int
     src: int | None = None
@@ -119,7 +124,7 @@ class Now:
 @dataclass(frozen=True)
 class Lost:
     """Result: the frozenset of peer ranks known to be dead (for strategies that survive losses;
-    a `Send` to a dead peer is dropped)."""
+    a `Send` to a dead peer is dropped). Counts as reporting those losses (see `Recv`)."""
 
 
 @dataclass(frozen=True)
