@@ -396,7 +396,8 @@ def _simulation_facts(runtime: SimulatedRuntime, costs: Costs, reports: list[dic
         "seconds_per_sample": costs.seconds_per_sample,
         "bandwidth_bytes_per_second": None if math.isinf(costs.bandwidth) else costs.bandwidth,
         "latency_seconds": costs.latency,
-        "virtual_seconds": round(end, 6),
+        "virtual_seconds": end,  # when the last program ended
+        "rank0_seconds": runtime.nodes[0].clock.now(),  # train_seconds, unrounded
         "real_seconds": round(real, 3),
         "forward_backward_seconds": round(runtime.forward_backward, 3),
         "evaluation_seconds": round(evaluating, 3),
