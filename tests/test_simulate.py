@@ -183,3 +183,12 @@ def test_cli_simulate_and_calibrate(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and word in err
     assert main(["train", "--latency", "1ms", *common]) == 2
+
+
+def test_ako_one_partition_lock_step_equals_allreduce(tmp_path):
+    """p = 1, s = 0 in the simulator: every replica applies sum_j g_j / n each step, as
+    all-reduce SGD does, with links and latency costing time but not changing the math."""
+    reference = simulate(tmp_path, strategy="allreduce", **COSTS)
+    result = simulate(tmp_path, strategy="ako", partitions=1, staleness=0, **COSTS)
+    for w in result.workers:
+        torch.testing.assert_close(w.params, reference.workers[0].params, rtol=0, atol=1e-5)
