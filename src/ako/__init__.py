@@ -1,8 +1,8 @@
 """ako: data-parallel training without parameter-server bottlenecks (see DESIGN.md)."""
 
-from ako.api import RunResult, train
+from ako.api import RunResult, calibrate, simulate, train
 from ako.config import ConfigError, TrainConfig
 from ako.data import DataError
 from ako.runtime.launcher import WorkerFailed
 
-__all__ = ["ConfigError", "DataError", "RunResult", "TrainConfig", "WorkerFailed", "train"]
+__all__ = ["ConfigError", "DataError", "RunResult", "TrainConfig", "WorkerFailed", "calibrate", "simulate", "train"]

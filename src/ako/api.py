@@ -10,8 +10,9 @@ elastic agent) the calling process is one worker, with the rank and world size t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -60,3 +61,50 @@ def train(
     results = launch(job, job.config.workers + (job.config.servers or 0))
     workers = [results[r] for r in sorted(results) if r < job.config.workers]
     return RunResult(results[0].summary, workers)
+
+
+def simulate(
+    config: TrainConfig,
+    *,
+    model_fn: Callable[[], nn.Module] | None = None,
+    train_set: torch.utils.data.Dataset | None = None,
+    test_set: torch.utils.data.Dataset | None = None,
+    strategy: Strategy | None = None,
+) -> RunResult:
+    """Run `config` on a simulated cluster in this process (DESIGN.md, "simulated runtime"):
+    the same strategy programs with real gradients, time from the cost model.
+
+    Costs: `config.bandwidth` is every node's up- and downlink rate (free when None),
+    `config.latency` the per-message latency, and the compute speed is
+    `config.seconds_per_sample`, else the `config.profile` file's (see `calibrate`), else
+    measured here at the start (and recorded in the run's config.toml so it can be replayed).
+    Other arguments as for `train`. Returns the summary (times in virtual seconds) and every
+    worker's final parameters. Raises ConfigError or DataError (bad input) and RuntimeError
+    (the strategy deadlocked).
+    """
+    from ako.runtime.calibrate import load_profile, measure_seconds_per_sample
+    from ako.runtime.costs import Costs
+    from ako.runtime.simulated import simulate_job
+
+    config = validate(config, simulated=True)
+    job = Job(config, strategy, model_fn, train_set, test_set)
+    data = job.check()
+    sps = config.seconds_per_sample
+    if sps is None and config.profile is not None:
+        sps = float(load_profile(config.profile, config)["seconds_per_sample"])
+    if sps is None:
+        sps = measure_seconds_per_sample(job, data, torch.device("cpu"))
+    job.config = replace(config, seconds_per_sample=sps)
+    bandwidth = config.bandwidth_bytes
+    costs = Costs(sps, math.inf if bandwidth is None else bandwidth, config.latency_seconds)
+    summary, workers = simulate_job(job, costs)
+    return RunResult(summary, workers)
+
+
+def calibrate(config: TrainConfig, out: str | None = None) -> dict:
+    """Measure seconds per sample of `config.model` at `config.batch_size` on this machine (CPU,
+    one thread; and the GPU where CUDA is present) and write the profile to `out` when given.
+    Returns the profile dict. Raises ConfigError or DataError."""
+    from ako.runtime.calibrate import calibrate as measure
+
+    return measure(validate(config, simulated=True), out)

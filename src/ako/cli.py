@@ -1,4 +1,5 @@
-"""`ako train | info`: parse, validate, call the API. Bad input: one line, exit status 2."""
+"""`ako train | simulate | calibrate | info`: parse, validate, call the API. Bad input: one line,
+exit status 2."""
 
 from __future__ import annotations
 
@@ -38,7 +39,11 @@ _FLAGS = {
     "eval_every": ("evaluate every this many epochs", {}),
     "partitions": ("ako: number of gradient partitions p, or auto", {}),
     "staleness": ("ako: staleness bound s (0 = lock-step; default unbounded); ssp: s (default 2)", {}),
-    "bandwidth": ("ako auto: link budget, e.g. 1Gbit or 100MB (default: measured)", {}),
+    "bandwidth": (
+        "ako auto: link budget, e.g. 1Gbit or 100MB (default: measured); simulate: every node's up- and "
+        "downlink rate, for every strategy (default: free)",
+        {},
+    ),
     "servers": ("bsp, asp, ssp, absp, easgd: parameter-server processes beside the workers (default 1)", {}),
     "micro_batch": ("absp: samples per interruptible micro-batch (default batch-size / 4)", {}),
     "tau": ("easgd: steps between elastic averaging rounds", {}),
@@ -54,29 +59,53 @@ _FLAGS = {
 }
 
 
+# `ako simulate` takes the train flags and these (config.SIMULATE_OPTIONS)
+_SIMULATE_FLAGS = {
+    "latency": ("latency added to every message, e.g. 100us or 1ms (default: 0)", {}),
+    "seconds_per_sample": ("forward+backward seconds per sample of one worker (default: --profile's, else measured)", {}),
+    "profile": ("cluster profile written by ako calibrate (compute speed)", {}),
+}
+
+
+def _add_flags(command: argparse.ArgumentParser, flags: dict) -> None:
+    for name, (text, extra) in flags.items():
+        default = FIELDS[name].default
+        shown = "" if default is None or extra else f" (default: {default})"
+        command.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=text + shown, **extra)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `ako` argument parser; every train flag defaults to None so that a config file can fill it."""
     parser = _Parser(prog="ako", description="Data-parallel training without parameter-server bottlenecks.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,info}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,simulate,calibrate,info}")
     train = commands.add_parser("train", help="train a model on N workers", description="Train a model on N workers.")
-    train.add_argument("--config", metavar="FILE", help="TOML file of settings; flags override it")
-    for name, (text, extra) in _FLAGS.items():
-        default = FIELDS[name].default
-        shown = "" if default is None or extra else f" (default: {default})"
-        train.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=text + shown, **extra)
-    train.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: only on a terminal)")
+    simulate = commands.add_parser(
+        "simulate",
+        help="run a strategy on a simulated cluster (virtual time, real gradients)",
+        description="Run the same strategy programs on a simulated cluster: real gradients, time from a cost model.",
+    )
+    for command in (train, simulate):
+        command.add_argument("--config", metavar="FILE", help="TOML file of settings; flags override it")
+        _add_flags(command, _FLAGS)
+        command.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: only on a terminal)")
+    _add_flags(simulate, _SIMULATE_FLAGS)
+    calibrate = commands.add_parser(
+        "calibrate", help="measure compute seconds per sample here and write a cluster profile"
+    )
+    _add_flags(calibrate, {k: _FLAGS[k] for k in ("model", "dataset", "data_dir", "batch_size")})
+    calibrate.add_argument("--out", metavar="FILE", help="where to write the profile (default: <model>-profile.toml)")
     commands.add_parser("info", help="list strategies, models and data sets, and where data is found")
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """defaults < --config file < flags; validated."""
-    values = load_toml(args.config) if args.config is not None else {}
+def config_from_args(args: argparse.Namespace, simulated: bool = False) -> TrainConfig:
+    """defaults < --config file < flags; validated (for `ako simulate` when `simulated`)."""
+    values = load_toml(args.config) if getattr(args, "config", None) is not None else {}
     for name in FIELDS:
         given = getattr(args, name, None)
         if given is not None:
             values[name] = _none(name, given)
-    return validate(TrainConfig(**values))
+    return validate(TrainConfig(**values), simulated)
 
 
 def _none(name: str, value):
@@ -121,6 +150,31 @@ def cmd_train(config: TrainConfig) -> int:
     return 0
 
 
+def cmd_simulate(config: TrainConfig) -> int:
+    """`ako simulate`: exit status 0, or 1 when the strategy deadlocked (one line)."""
+    from ako.api import simulate
+
+    try:
+        simulate(config)
+    except RuntimeError as e:
+        print(f"ako: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
+def cmd_calibrate(config: TrainConfig, out: str | None) -> int:
+    """`ako calibrate`: measure, write the profile, print it."""
+    from ako.api import calibrate
+
+    out = out or f"{config.model}-profile.toml"
+    profile = calibrate(config, out)
+    line = f"ako calibrate: {config.model} at batch {config.batch_size}: {profile['seconds_per_sample'] * 1e3:.4g} ms/sample on the CPU (1 thread)"
+    if "gpu_seconds_per_sample" in profile:
+        line += f", {profile['gpu_seconds_per_sample'] * 1e3:.4g} ms/sample on {profile['gpu']}"
+    print(f"{line}; profile written to {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """The console script: returns the exit status (2 for bad input, 130 on Ctrl-C)."""
     from ako.data import DataError
@@ -129,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if args.command == "info":
             return cmd_info()
+        if args.command == "simulate":
+            return cmd_simulate(config_from_args(args, simulated=True))
+        if args.command == "calibrate":
+            return cmd_calibrate(config_from_args(args, simulated=True), args.out)
         return cmd_train(config_from_args(args))
     except (ConfigError, DataError) as e:
         print(f"ako: error: {e}", file=sys.stderr)

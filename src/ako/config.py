@@ -34,6 +34,8 @@ STRATEGY_OPTIONS = {
     "tau": (1, ("easgd",)),
     "beta": (0.9, ("easgd",)),
 }
+# settings only the simulated runtime takes (`ako train` rejects them)
+SIMULATE_OPTIONS = ("latency", "seconds_per_sample", "profile")
 SSP_STALENESS = 2  # ssp's bound when none is given
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -64,7 +66,7 @@ class TrainConfig:
     eval_every: float = 0.5  # epochs between evaluations
     partitions: int | str = "auto"  # ako: p, or "auto"
     staleness: int | None = None  # ako: bound s (0 = lock-step), None = unbounded; ssp: s (default 2)
-    bandwidth: str | None = None  # link budget, e.g. "1Gbit" or "50MB"; measured when None
+    bandwidth: str | None = None  # link budget, e.g. "1Gbit" or "50MB"; measured when None (simulate: every link's rate, free when None)
     servers: int | None = None  # parameter-server strategies: server processes (default 1)
     micro_batch: int | None = None  # absp: samples per interruptible micro-batch (default batch_size // 4)
     tau: int = 1  # easgd: steps between elastic averaging rounds
@@ -75,11 +77,20 @@ class TrainConfig:
     backend: str = "auto"
     out_dir: str = "runs"
     progress: bool | None = None  # progress bar: None = only on a terminal
+    # `ako simulate` only (SIMULATE_OPTIONS): per-message latency, compute speed, cluster profile
+    latency: str | None = None  # e.g. "100us"; None = 0
+    seconds_per_sample: float | None = None  # forward+backward seconds per sample of one worker
+    profile: str | None = None  # a cluster profile written by `ako calibrate`
 
     @property
     def bandwidth_bytes(self) -> float | None:
         """The link budget in bytes per second, or None to measure it."""
         return None if self.bandwidth is None else parse_bandwidth(self.bandwidth)
+
+    @property
+    def latency_seconds(self) -> float:
+        """The simulated per-message latency in seconds (0 when not set)."""
+        return 0.0 if self.latency is None else parse_latency(self.latency)
 
 
 FIELDS = {f.name: f for f in fields(TrainConfig)}
@@ -104,6 +115,21 @@ def parse_bandwidth(text: str) -> float:
     if not rate > 0:
         raise ConfigError(f"bandwidth {text!r}: must be greater than 0")
     return rate
+
+
+_LATENCY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(s|ms|us|µs|ns)?\s*$")
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+def parse_latency(text: str) -> float:
+    """Parse a latency such as "100us", "0.5ms", "2e-4s" or "0.0001" (seconds).
+
+    Returns seconds (>= 0). Raises ConfigError for anything else."""
+    match = _LATENCY.match(str(text))
+    if not match:
+        raise ConfigError(f"latency {text!r}: expected a time like 100us, 0.5ms or 0.001s")
+    value, unit = match.groups()
+    return float(value) * _TIME_UNITS[unit or "s"]
 
 
 def load_toml(path: str | os.PathLike) -> dict:
@@ -135,10 +161,13 @@ def make_config(**values) -> TrainConfig:
     return validate(TrainConfig(**values))
 
 
-def validate(config: TrainConfig) -> TrainConfig:
+def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
     """Check every field's type and range; return the config with values normalised
-    (e.g. partitions "3" -> 3). Raises ConfigError naming the first bad value."""
+    (e.g. partitions "3" -> 3). `simulated`: for `ako simulate`, which takes SIMULATE_OPTIONS
+    and a bandwidth (the link rate) for every strategy. Raises ConfigError naming the first
+    bad value."""
     c = dataclasses.replace(config)
+    _validate_simulation(c, simulated)
     for name in ("strategy", "dataset", "model", "backend", "out_dir"):
         if not isinstance(getattr(c, name), str) or not getattr(c, name):
             raise ConfigError(f"{name} {_show(getattr(c, name))}: must be a non-empty string")
@@ -151,6 +180,8 @@ def validate(config: TrainConfig) -> TrainConfig:
     if c.backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is false here: use gloo")
     for name, (default, users) in STRATEGY_OPTIONS.items():
+        if name == "bandwidth" and simulated:
+            continue  # the simulator's link rate, for every strategy
         if c.strategy not in users and getattr(c, name) != default:
             raise ConfigError(
                 f"{name} {_show(getattr(c, name))}: strategy {c.strategy} has no such option "
@@ -207,6 +238,22 @@ def _validate_cluster(c: TrainConfig) -> None:
         c.straggler = check_stragglers(texts, c.workers)
     except ClusterError as e:
         raise ConfigError(str(e)) from None
+
+
+def _validate_simulation(c: TrainConfig, simulated: bool) -> None:
+    """The simulate-only settings: rejected for `ako train`, checked for `ako simulate`."""
+    if not simulated:
+        for name in SIMULATE_OPTIONS:
+            if getattr(c, name) is not None:
+                raise ConfigError(f"{name} {_show(getattr(c, name))}: only `ako simulate` takes it")
+        return
+    if c.latency is not None:
+        c.latency = str(c.latency)
+        parse_latency(c.latency)
+    if c.seconds_per_sample is not None:
+        c.seconds_per_sample = _number("seconds_per_sample", c.seconds_per_sample, low=0.0, high=1e3)
+    if c.profile is not None and not isinstance(c.profile, str):
+        raise ConfigError(f"profile {_show(c.profile)}: must be a file path")
 
 
 def _choice(what: str, value: str, allowed) -> None:

@@ -7,7 +7,9 @@ that costs time or crosses the network is an operation; updating the replica is 
 
 Tensors handed to `Send` and `AllReduce` are flat, contiguous float32 vectors. After a `Send`
 the runtime owns the tensor until it is delivered: the program must not modify it (send a clone
-of a buffer it keeps using).
+of a buffer it keeps using). A received tensor may be modified in place only when its sender
+sent it to that receiver alone: the simulated runtime does not copy messages, so the receivers
+of one tensor sent to several peers share it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,98 @@
+"""`ako calibrate`: measure a model's compute speed on this machine and write a cluster profile.
+
+A profile is a small TOML file that `ako simulate --profile` takes:
+
+    model = "cnn"
+    dataset = "fashion-mnist"
+    batch_size = 64
+    threads = 1
+    seconds_per_sample = 0.00037      # CPU, one thread (as each distributed worker runs)
+    gpu_seconds_per_sample = 2.1e-05  # only where CUDA is present
+    gpu = "NVIDIA H200"
+
+Seconds per sample are forward+backward (and the flat gradient) of one mini-batch, divided by
+its size: the median of `repeats` timed steps after two warm-up steps.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import tomllib
+from pathlib import Path
+
+import tomli_w
+import torch
+
+from ako.config import ConfigError, TrainConfig
+from ako.data import fetch
+from ako.metrics import write_atomic
+from ako.runtime.job import Job
+
+
+def measure_seconds_per_sample(job: Job, data, device: torch.device, repeats: int = 20, threads: int | None = 1) -> float:
+    """Median seconds per sample of forward+backward on `job.config.batch_size` training
+    samples on `device`, with `threads` CPU threads (None: leave torch's setting)."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        replica = job.build_replica(data, device)
+        x, y = fetch(data.train, torch.arange(job.config.batch_size))
+        x, y = x.to(device), y.to(device)
+        times = []
+        for i in range(repeats + 2):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            replica.compute_gradient(x, y)  # .item() on the loss waits for the GPU
+            if i >= 2:
+                times.append(time.perf_counter() - t)
+        return statistics.median(times) / len(y)
+    finally:
+        torch.set_num_threads(before)
+
+
+def calibrate(config: TrainConfig, out: str | None = None, repeats: int = 20) -> dict:
+    """Measure `config.model` on `config.dataset` at `config.batch_size` on the CPU (one
+    thread) and on the GPU where CUDA is present; write the profile to `out` when given.
+    Returns the profile. Raises ConfigError or DataError."""
+    job = Job(config)
+    data = job.load_data()
+    job.validate(data, job.build_replica(data, torch.device("cpu")).numel)
+    profile = {
+        "model": config.model,
+        "dataset": data.name,
+        "batch_size": config.batch_size,
+        "threads": 1,
+        "seconds_per_sample": measure_seconds_per_sample(job, data, torch.device("cpu"), repeats),
+    }
+    if torch.cuda.is_available():
+        gpu = torch.device("cuda", 0)
+        profile["gpu_seconds_per_sample"] = measure_seconds_per_sample(job, data, gpu, repeats, threads=None)
+        profile["gpu"] = torch.cuda.get_device_name(gpu)
+    if out is not None:
+        write_atomic(Path(out), tomli_w.dumps(profile))
+    return profile
+
+
+def load_profile(path: str, config: TrainConfig) -> dict:
+    """Read a profile written by `calibrate`; raise ConfigError when it cannot be read, lacks
+    seconds_per_sample, or was measured for another model or batch size than `config`'s."""
+    try:
+        with open(path, "rb") as f:
+            profile = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"profile {path!r} not found") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"profile {path!r}: cannot read it ({e})") from None
+    sps = profile.get("seconds_per_sample")
+    if isinstance(sps, bool) or not isinstance(sps, (int, float)) or not sps >= 0:
+        raise ConfigError(f"profile {path!r}: needs seconds_per_sample, a number >= 0")
+    for key in ("model", "batch_size"):
+        if key in profile and profile[key] != getattr(config, key):
+            raise ConfigError(
+                f"profile {path!r}: measured for {key} {profile[key]!r}, not {getattr(config, key)!r}; "
+                f"run ako calibrate --{key.replace('_', '-')} {getattr(config, key)}"
+            )
+    return profile

@@ -1,0 +1,117 @@
+"""The simulated runtime's cost model (DESIGN.md, "Cluster model"): compute speed, NICs, links.
+
+- Compute: a gradient of k samples takes k x `seconds_per_sample` x the straggler factor that
+  `ako.cluster.Slowdown` gives for that step (the same description the distributed runtime uses).
+- Network: every node (worker or server) has one NIC on a non-blocking switch, with an uplink
+  and a downlink of `bandwidth` bytes/s each. Each link is a FIFO: a message is transmitted
+  whole, in the order it was sent, at the full link rate (no fair sharing). A message of b
+  bytes from s to d starts on s's uplink when that is free, and passes cut-through onto d's
+  downlink when that is free as well (the switch buffers it meanwhile; no back-pressure on the
+  sender), so
+      up_start   = max(now, uplink_free[s]),           uplink_free[s] = up_start + b / B
+      down_end   = max(up_start, downlink_free[d]) + b / B = downlink_free[d]
+      delivered  = down_end + latency
+  One message alone thus takes b / B + latency. Contention at a busy node (a parameter server
+  receiving n pushes) is messages queueing on its downlink: it emerges from the model.
+- All-reduce: the ring formula 2 (n-1)/n x bytes / B + 2 (n-1) x latency (reduce-scatter then
+  all-gather, n-1 steps each, every node sending and receiving 1/n of the tensor per step),
+  from the moment the last worker arrives and every member's links are free; it holds every
+  member's uplink and downlink for that long.
+A bandwidth of infinity makes transfers free (latency still counts).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Cost-model constants: `seconds_per_sample` (forward+backward, one worker, seconds),
+    `bandwidth` (bytes/s of every up- and downlink; inf = free) and `latency` (seconds added to
+    every message). Raises ValueError for negative values or a bandwidth <= 0."""
+
+    seconds_per_sample: float
+    bandwidth: float = math.inf
+    latency: float = 0.0
+
+    def __post_init__(self):
+        if self.seconds_per_sample < 0 or self.latency < 0 or not self.bandwidth > 0:
+            raise ValueError(f"bad costs {self}: times must be >= 0 and bandwidth > 0")
+
+    def compute_seconds(self, samples: int, factor: float = 1.0) -> float:
+        """Seconds a worker slowed by `factor` takes for a gradient of `samples` samples."""
+        return samples * self.seconds_per_sample * factor
+
+    def transfer_seconds(self, nbytes: float) -> float:
+        """Seconds `nbytes` occupy one link (0 when bandwidth is infinite)."""
+        return 0.0 if math.isinf(self.bandwidth) else nbytes / self.bandwidth
+
+    def ring_allreduce_seconds(self, nbytes: int, n: int) -> float:
+        """Seconds of a ring all-reduce of `nbytes` over `n` nodes:
+        2 (n-1)/n x nbytes / B + 2 (n-1) x latency (0 for n = 1)."""
+        if n <= 1:
+            return 0.0
+        return self.transfer_seconds(ring_bytes(nbytes, n)) + 2 * (n - 1) * self.latency
+
+
+def ring_bytes(nbytes: int, n: int) -> int:
+    """Bytes each node sends (and receives) in a ring all-reduce of `nbytes` over n nodes,
+    counted as the distributed runtime counts them: 2 (n-1) x nbytes // n."""
+    return 2 * (n - 1) * nbytes // n
+
+
+@dataclass
+class Nic:
+    """One node's NIC: when each direction is next free (virtual seconds), how long each has
+    been busy (seconds) and the bytes it has carried."""
+
+    up_free: float = 0.0
+    down_free: float = 0.0
+    up_busy: float = 0.0
+    down_busy: float = 0.0
+    bytes_up: int = 0
+    bytes_down: int = 0
+
+
+@dataclass
+class Network:
+    """The NICs of `nodes` nodes on one switch, costed by `costs` (see the module docstring)."""
+
+    costs: Costs
+    nodes: int
+    nics: list[Nic] = field(init=False)
+
+    def __post_init__(self):
+        self.nics = [Nic() for _ in range(self.nodes)]
+
+    def transmit(self, now: float, src: int, dst: int, nbytes: int) -> float:
+        """Book a message of `nbytes` from `src` to `dst` sent at `now`; returns the virtual
+        time it is delivered."""
+        t = self.costs.transfer_seconds(nbytes)
+        up, down = self.nics[src], self.nics[dst]
+        up_start = max(now, up.up_free)
+        up.up_free = up_start + t
+        down.down_free = max(up_start, down.down_free) + t
+        up.up_busy += t
+        down.down_busy += t
+        up.bytes_up += nbytes
+        down.bytes_down += nbytes
+        return down.down_free + self.costs.latency
+
+    def all_reduce(self, now: float, members: list[int], nbytes: int) -> tuple[float, float]:
+        """Book a ring all-reduce of `nbytes` over `members` (ranks) whose last member arrived
+        at `now`; returns (start, end) in virtual seconds."""
+        nics = [self.nics[r] for r in members]
+        start = max([now] + [max(nic.up_free, nic.down_free) for nic in nics])
+        n = len(members)
+        seconds = self.costs.ring_allreduce_seconds(nbytes, n)
+        busy, moved = self.costs.transfer_seconds(ring_bytes(nbytes, n)), ring_bytes(nbytes, n)
+        for nic in nics:
+            nic.up_free = nic.down_free = start + seconds
+            nic.up_busy += busy
+            nic.down_busy += busy
+            nic.bytes_up += moved
+            nic.bytes_down += moved
+        return start, start + seconds

@@ -1,0 +1,428 @@
+"""The simulated runtime: the same worker and server programs, on a virtual-time cluster (SimPy).
+
+Every rank (worker or server) is one SimPy process that drives its strategy program, carrying
+out the operations of `ako.strategies.ops` as the distributed runtime does, with real tensors:
+- `Compute` takes the next mini-batch and computes the real gradient at once, with the
+  replica's parameters as they are at that virtual moment, then holds the worker for the cost
+  model's compute time (samples x seconds per sample x straggler factor, `costs.Costs`).
+  `ComputePartial` does the same micro-batch by micro-batch, checking for the stop message
+  between micro-batches.
+- `Send` books the message on the sender's uplink and the receiver's downlink
+  (`costs.Network`) and delivers it at the time the model gives; `Recv` waits for it, `Poll`
+  takes what has been delivered. Messages are not copied: receivers of one `Send` tensor sent
+  to several peers share it (the programs do not modify those).
+- `AllReduce` waits for every worker, then reduces their tensors for real (in rank order) and
+  resumes them all when the ring all-reduce's modelled time has passed.
+- `Now` is the virtual clock; `MeasureStep` and `MeasureBandwidth` return the cost model's
+  values; `Lost` is empty (no failures are simulated).
+Evaluations (rank 0's snapshots) take no virtual time. Same seed, same costs: same result, bit
+for bit, as event order depends only on virtual times and the order events were made.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+
+import simpy
+import torch
+
+from ako.data import fetch
+from ako.runtime.costs import Costs, Network
+from ako.metrics import MetricsLog, write_summary
+from ako.runtime.distributed import WorkerResult, _open_run_dir, _report
+from ako.runtime.job import Job
+from ako.runtime.worker import WorkerState
+from ako.strategies import ServerContext, WorkerContext
+from ako.strategies.ops import (
+    AllReduce,
+    Compute,
+    ComputePartial,
+    Gradient,
+    Lost,
+    MeasureBandwidth,
+    MeasureStep,
+    Message,
+    Now,
+    PartialGradient,
+    Poll,
+    Recv,
+    Send,
+)
+
+
+class SimClock:
+    """`worker.Clock` on virtual time: seconds since the start of the simulation, frozen by
+    `stop`. `pause` takes no virtual time; it tallies the real seconds spent in it
+    (evaluations) in `paused_real`."""
+
+    def __init__(self, env: simpy.Environment):
+        self.env = env
+        self.stopped: float | None = None
+        self.paused_real = 0.0
+
+    def begin(self) -> None:
+        self.stopped = None
+
+    def stop(self) -> None:
+        self.stopped = self.env.now
+
+    def now(self) -> float:
+        return self.env.now if self.stopped is None else self.stopped
+
+    wall = now  # virtual time has no evaluation pauses to leave out
+
+    @contextmanager
+    def pause(self):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_real += time.perf_counter() - t
+
+
+@dataclass
+class Envelope:
+    """A message in the simulated network, with the virtual time it was sent."""
+
+    message: Message
+    sent_at: float
+
+
+@dataclass
+class Node:
+    """One rank of the simulated cluster: its inbox (delivered messages by tag), the receive it
+    is blocked on, its clock and time accounts (virtual seconds), and its program's result.
+    `state` is None for a server."""
+
+    rank: int
+    clock: SimClock
+    state: WorkerState | None = None
+    inbox: dict[int, list[Envelope]] = field(default_factory=dict)
+    waiting: tuple[int, int | None, simpy.Event] | None = None
+    compute_seconds: float = 0.0
+    idle_seconds: float = 0.0
+    communication_seconds: float = 0.0
+    facts: dict | None = None
+
+    def take(self, tag: int, src: int | None = None) -> Envelope | None:
+        """The first delivered message with `tag` (from `src`, or anyone), removed; or None."""
+        queue = self.inbox.get(tag, [])
+        for i, envelope in enumerate(queue):
+            if src is None or envelope.message.src == src:
+                return queue.pop(i)
+        return None
+
+    def take_all(self, tag: int) -> list[Message]:
+        """Every delivered message with `tag`, removed, in delivery order."""
+        return [e.message for e in self.inbox.pop(tag, [])]
+
+    def blocked(self, since: float, ready: float, until: float) -> None:
+        """Account a wait from `since` to `until` for something that started moving on the
+        network at `ready`: idle before it, communication after it."""
+        ready = min(max(ready, since), until)
+        self.idle_seconds += ready - since
+        self.communication_seconds += until - ready
+
+
+@dataclass
+class _Collective:
+    """An all-reduce being gathered: the members' tensors by rank, and the event that resumes
+    them all. `arrived` and `end` are virtual times known once the last member is in."""
+
+    done: simpy.Event
+    tensors: dict[int, torch.Tensor] = field(default_factory=dict)
+    arrived: float = 0.0
+    end: float = 0.0
+
+
+class SimulatedRuntime:
+    """Carries out every rank's operations on one SimPy environment. Ranks below `workers` are
+    workers, the rest servers. `batch_size` is what `MeasureStep` prices. `forward_backward`
+    tallies the real seconds spent computing gradients."""
+
+    def __init__(self, env: simpy.Environment, costs: Costs, world: int, workers: int, batch_size: int):
+        self.env, self.costs, self.workers, self.batch_size = env, costs, workers, batch_size
+        self.network = Network(costs, world)
+        self.nodes = [Node(rank, SimClock(env)) for rank in range(world)]
+        self.collective: _Collective | None = None
+        self.forward_backward = 0.0
+
+    def start(self, rank: int, program, ctx) -> None:
+        """Start rank `rank`'s program `program(ctx)` as a SimPy process."""
+        self.env.process(self._drive(self.nodes[rank], program(ctx)))
+
+    def _drive(self, node: Node, gen):
+        result = None
+        while True:
+            try:
+                op = gen.send(result)
+            except StopIteration as done:
+                node.facts = done.value or {}
+                node.clock.stop()
+                return
+            result = yield from self.execute(node, op)
+
+    def execute(self, node: Node, op):
+        """Carry out one operation for `node` (a SimPy sub-process: `yield from` it); returns
+        its result. Operations that take no virtual time return without yielding."""
+        match op:
+            case Compute():
+                return (yield from self.compute(node))
+            case ComputePartial(micro_batch, stop_tag, iteration):
+                return (yield from self.compute_partial(node, micro_batch, stop_tag, iteration))
+            case Send(tensor, dst, tag, step, aux):
+                self.send(node.rank, dst, Message(node.rank, tag, step, aux, tensor))
+                return None
+            case Recv(tag, src):
+                return (yield from self.receive(node, tag, src))
+            case Poll(tag):
+                return node.take_all(tag)
+            case AllReduce(tensor, reduce):
+                return (yield from self.all_reduce(node, tensor, reduce))
+            case Now():
+                return self.env.now
+            case Lost():
+                return frozenset()
+            case MeasureStep():
+                return self.costs.compute_seconds(self.batch_size)
+            case MeasureBandwidth():
+                return self.costs.bandwidth
+        raise TypeError(f"unknown operation {op!r}")
+
+    def compute(self, node: Node):
+        """Real gradient of the next mini-batch now; then hold for the modelled compute time."""
+        state = node.state
+        x, y = state.next_batch()
+        slow = state.slowdown.factor() if state.slowdown.active else 1.0
+        loss = self._gradient(state, x, y)
+        state.computed(loss)
+        yield from self._busy(node, self.costs.compute_seconds(len(y), slow))
+        return Gradient(state.replica.grad, loss, len(y))
+
+    def compute_partial(self, node: Node, micro_batch: int, stop_tag: int, iteration: int):
+        """A-BSP's interruptible computation (`ops.ComputePartial`), one micro-batch at a time
+        in virtual time, as `DistributedRuntime.compute_partial` does in real time."""
+        state = node.state
+        indices, since = state.next_assignment()
+        slow = state.slowdown.factor() if state.slowdown.active else 1.0
+        grad_sum = torch.zeros_like(state.replica.grad)
+        done, loss_sum = 0, 0.0
+        for chunk in indices.split(micro_batch):
+            if done and any(m.step == iteration for m in node.take_all(stop_tag)):
+                break
+            x, y = fetch(state.train_set, chunk)
+            loss_sum += self._gradient(state, x, y) * len(y)
+            grad_sum.add_(state.replica.grad, alpha=len(y))
+            done += len(y)
+            yield from self._busy(node, self.costs.compute_seconds(len(y), slow))
+        oldest = state.processed(indices, since, done)
+        state.computed(loss_sum / done)
+        return PartialGradient(grad_sum, loss_sum / done, done, indices, oldest)
+
+    def _gradient(self, state: WorkerState, x: torch.Tensor, y: torch.Tensor) -> float:
+        t = time.perf_counter()
+        loss = state.replica.compute_gradient(x, y)
+        self.forward_backward += time.perf_counter() - t
+        return loss
+
+    def _busy(self, node: Node, seconds: float):
+        node.compute_seconds += seconds
+        yield self.env.timeout(seconds)
+
+    def send(self, src: int, dst: int, message: Message) -> None:
+        """Book `message` on the network and deliver it to `dst` when the model says."""
+        nbytes = message.tensor.numel() * message.tensor.element_size()
+        arrival = self.network.transmit(self.env.now, src, dst, nbytes)
+        envelope = Envelope(message, self.env.now)
+        self.env.timeout(arrival - self.env.now).callbacks.append(lambda _: self._deliver(self.nodes[dst], envelope))
+
+    def _deliver(self, node: Node, envelope: Envelope) -> None:
+        m = envelope.message
+        if node.waiting is not None:
+            tag, src, event = node.waiting
+            if tag == m.tag and (src is None or src == m.src):
+                node.waiting = None
+                event.succeed(envelope)
+                return
+        node.inbox.setdefault(m.tag, []).append(envelope)
+
+    def receive(self, node: Node, tag: int, src: int | None):
+        """The next message with `tag` (from `src` or anyone), waiting for it if need be."""
+        envelope = node.take(tag, src)
+        if envelope is None:
+            since, event = self.env.now, self.env.event()
+            node.waiting = (tag, src, event)
+            envelope = yield event
+            node.blocked(since, envelope.sent_at, self.env.now)
+        return envelope.message
+
+    def all_reduce(self, node: Node, tensor: torch.Tensor, reduce: str):
+        """Wait for every worker; reduce their tensors in rank order into each of them; resume
+        all of them when the ring all-reduce is over (`Network.all_reduce`)."""
+        if self.collective is None:
+            self.collective = _Collective(self.env.event())
+        c = self.collective
+        c.tensors[node.rank] = tensor
+        since = self.env.now
+        if len(c.tensors) == self.workers:
+            self.collective = None
+            self._reduce(list(c.tensors[r] for r in sorted(c.tensors)), reduce)
+            nbytes = tensor.numel() * tensor.element_size()
+            _, c.end = self.network.all_reduce(self.env.now, sorted(c.tensors), nbytes)
+            c.arrived = self.env.now
+            self.env.timeout(c.end - self.env.now).callbacks.append(lambda _: c.done.succeed())
+        yield c.done
+        node.blocked(since, c.arrived, c.end)
+        return tensor
+
+    @staticmethod
+    def _reduce(tensors: list[torch.Tensor], reduce: str) -> None:
+        total = tensors[0].clone()
+        for t in tensors[1:]:
+            if reduce == "sum":
+                total.add_(t)
+            else:
+                torch.maximum(total, t, out=total)
+        for t in tensors:
+            t.copy_(total)
+
+    def request_stop(self, rank: int) -> None:
+        """Rank `rank` reached the target: every other worker hears it one latency later."""
+        def tell(_):
+            for node in self.nodes[: self.workers]:
+                if node.state is not None:
+                    node.state.stop_requested = True
+
+        self.env.timeout(self.costs.latency).callbacks.append(tell)
+
+    def run(self) -> None:
+        """Run the simulation until every program has ended. Raises RuntimeError when some
+        wait for ever (a deadlock: no events left)."""
+        self.env.run()
+        stuck = [n for n in self.nodes if n.facts is None]
+        if stuck:
+            what = ", ".join(
+                f"rank {n.rank} waits for tag {n.waiting[0]}" if n.waiting else f"rank {n.rank} in a collective"
+                for n in stuck
+            )
+            raise RuntimeError(f"the simulation deadlocked at {self.env.now:.6f} s: {what}")
+
+    def traffic(self, rank: int) -> tuple[int, int]:
+        """(sent, received) bytes of rank `rank` so far, messages plus collectives."""
+        nic = self.network.nics[rank]
+        return nic.bytes_up, nic.bytes_down
+
+    def report(self, rank: int, end: float) -> dict:
+        """Rank `rank`'s report for the summary (as `DistributedRuntime.finish` gathers them),
+        with its time accounts and NIC utilisation over `end` virtual seconds."""
+        node, nic = self.nodes[rank], self.network.nics[rank]
+        state = node.state
+        scalars = {k: v for k, v in node.facts.items() if isinstance(v, (str, int, float, bool))}
+        span = max(end, 1e-12)
+        return {
+            "rank": rank,
+            "role": "worker" if state is not None else "server",
+            "steps": state.step if state is not None else 0,
+            "samples": state.samples if state is not None else 0,
+            "bytes_sent": nic.bytes_up,
+            "bytes_received": nic.bytes_down,
+            **scalars,
+            "compute_seconds": round(node.compute_seconds, 6),
+            "idle_seconds": round(node.idle_seconds, 6),
+            "communication_seconds": round(node.communication_seconds, 6),
+            "uplink_utilisation": round(min(1.0, nic.up_busy / span), 4),
+            "downlink_utilisation": round(min(1.0, nic.down_busy / span), 4),
+        }
+
+
+
+def simulate_job(job: Job, costs: Costs) -> tuple[dict, list[WorkerResult]]:
+    """Run `job` on a simulated cluster of `job.config.workers` workers (and `servers`), costed
+    by `costs`. Writes the run directory and prints the summary as `ako train` does, with time
+    in virtual seconds, plus the simulator's own figures (`simulation` in the summary).
+    Returns (summary, one WorkerResult per worker, by rank). Raises ConfigError or DataError
+    for bad input and RuntimeError when the strategy deadlocks."""
+    started = time.perf_counter()
+    data = job.load_data()
+    model = "custom" if job.model_fn is not None else job.config.model
+    job = replace(job, config=replace(job.config, dataset=data.name, model=model))
+    config, strategy = job.config, job.strategy
+    n, world = config.workers, config.workers + (config.servers or 0)
+    cpu = torch.device("cpu")
+    replicas = [job.build_replica(data, cpu) for _ in range(world)]
+    job.validate(data, replicas[0].numel)
+    env = simpy.Environment()
+    runtime = SimulatedRuntime(env, costs, world, n, config.batch_size)
+    run_dir = _open_run_dir(config, strategy.name, data)
+    servers = list(range(n, world))
+    for rank in range(world):
+        node, replica = runtime.nodes[rank], replicas[rank]
+        if rank < n:
+            log = MetricsLog(run_dir / "metrics.jsonl") if rank == 0 else None
+            node.state = WorkerState(
+                config, rank, n, data.train, data.test, replica, node.clock, log,
+                lambda r=rank: runtime.traffic(r), lambda r=rank: runtime.request_stop(r),
+            )  # fmt: skip
+            runtime.start(rank, strategy.worker, WorkerContext(rank, n, replica, config, node.state.should_stop, servers))
+        else:
+            runtime.start(rank, strategy.server, ServerContext(rank, rank - n, servers, list(range(n)), replica, config))
+    runtime.run()
+    end = env.now
+    reports = [runtime.report(rank, end) for rank in range(world)]
+    facts = runtime.nodes[0].facts
+    average = torch.stack([r.params for r in replicas[:n]]).mean(0) if strategy.decentralised else None
+    summary = _report(job, data, runtime.nodes[0].state, reports, average, facts.get("centre"), [], run_dir)
+    summary["simulation"] = _simulation_facts(runtime, costs, reports, end, time.perf_counter() - started)
+    write_summary(run_dir, summary)
+    print(format_simulation(summary["simulation"]), flush=True)
+    workers = [WorkerResult(r, replicas[r].params.clone(), runtime.nodes[r].facts) for r in range(n)]
+    workers[0].summary = summary
+    return summary, workers
+
+
+def _simulation_facts(runtime: SimulatedRuntime, costs: Costs, reports: list[dict], end: float, real: float) -> dict:
+    """The simulator's own figures: cost constants, virtual and real seconds, where the real
+    time went, and per-role means of the time accounts."""
+    evaluating = runtime.nodes[0].clock.paused_real
+    workers = [r for r in reports if r["role"] == "worker"]
+
+    def mean(key):
+        return round(sum(w[key] for w in workers) / len(workers), 6)
+
+    return {
+        "seconds_per_sample": costs.seconds_per_sample,
+        "bandwidth_bytes_per_second": None if math.isinf(costs.bandwidth) else costs.bandwidth,
+        "latency_seconds": costs.latency,
+        "virtual_seconds": end,  # when the last program ended
+        "rank0_seconds": runtime.nodes[0].clock.now(),  # train_seconds, unrounded
+        "real_seconds": round(real, 3),
+        "forward_backward_seconds": round(runtime.forward_backward, 3),
+        "evaluation_seconds": round(evaluating, 3),
+        "not_forward_backward_share": round(1 - runtime.forward_backward / max(real, 1e-9), 4),
+        "worker_compute_seconds_mean": mean("compute_seconds"),
+        "worker_idle_seconds_mean": mean("idle_seconds"),
+        "worker_communication_seconds_mean": mean("communication_seconds"),
+        "servers": [
+            {k: r[k] for k in ("rank", "downlink_utilisation", "uplink_utilisation")} for r in reports if r["role"] == "server"
+        ],
+    }
+
+
+def format_simulation(s: dict) -> str:
+    """The simulator's lines printed after the run summary."""
+    bandwidth = "free" if s["bandwidth_bytes_per_second"] is None else f"{s['bandwidth_bytes_per_second'] * 8 / 1e9:g} Gbit/s"
+    return "\n".join([
+        f"  simulated        {s['virtual_seconds']:.2f} virtual s in {s['real_seconds']:.1f} real s "
+        f"({s['forward_backward_seconds']:.1f} s forward/backward, {s['evaluation_seconds']:.1f} s evaluating, "
+        f"{s['not_forward_backward_share']:.0%} not forward/backward)",
+        f"  cost model       {s['seconds_per_sample'] * 1e3:.4g} ms/sample, links {bandwidth}, latency {s['latency_seconds'] * 1e6:g} us",
+        f"  worker time      compute {s['worker_compute_seconds_mean']:.2f} s, idle {s['worker_idle_seconds_mean']:.2f} s, "
+        f"communication {s['worker_communication_seconds_mean']:.2f} s (means; per worker and each server's NIC "
+        "utilisation in summary.json)",
+    ] + [
+        f"  server rank {r['rank']:<4} NIC utilisation: downlink {r['downlink_utilisation']:.0%}, uplink {r['uplink_utilisation']:.0%}"
+        for r in s["servers"]
+    ])  # fmt: skip

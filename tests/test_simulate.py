@@ -1,0 +1,194 @@
+"""The simulated runtime: equivalence with SGD and the distributed runtime, hand-computed
+virtual schedules, emergent server contention, Ako's constant traffic, determinism."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import ako
+from ako.cli import main
+from ako.models import build_model
+from ako.replica import OptimizerConfig, Replica
+from ako.strategies.partition import partition_bounds
+from helpers import single_process_sgd, small_config
+
+NUMEL = 22_602  # the cnn on 8x8 digits
+G = NUMEL * 4  # bytes of one flat gradient
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread, as each distributed worker runs: on a loaded machine a second
+    OpenMP thread spins and slows every gradient several-fold."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def simulate(tmp_path, **overrides):
+    return ako.simulate(small_config(tmp_path, **overrides))
+
+
+def virtual(result) -> float:
+    """Rank 0's training seconds, unrounded (the summary rounds to ms)."""
+    return result.summary["simulation"]["rank0_seconds"]
+
+
+def test_allreduce_equals_single_process_sgd_and_the_distributed_runtime(tmp_path):
+    """Zero communication cost, no stragglers: n = 4 simulated workers equal SGD on the union
+    of their mini-batches; n = 2 equal the distributed runtime's all-reduce."""
+    config = small_config(tmp_path, strategy="allreduce", workers=4, seconds_per_sample=1e-3)
+    result = ako.simulate(config)
+    assert result.summary["per_worker"][0]["steps"] == 3  # 384 / 4 / 16 = 6 per epoch
+    expected = single_process_sgd(config, 3)
+    for w in result.workers:
+        torch.testing.assert_close(w.params, expected, rtol=0, atol=1e-5)
+    two = small_config(tmp_path, strategy="allreduce", workers=2)
+    real = ako.train(two)
+    simulated = ako.simulate(replace(two, seconds_per_sample=1e-3))
+    for r, s in zip(real.workers, simulated.workers):
+        torch.testing.assert_close(s.params, r.params, rtol=0, atol=1e-5)
+
+
+# Hand-computed schedules: 2 workers, batch 16 at 1 ms per sample (c = 16 ms per step), links of
+# 10 MB/s, 100 us latency, 6 steps (half an epoch of 384 samples).
+C, B, LAT, STEPS = 0.016, 1e7, 1e-4, 6
+COSTS = dict(seconds_per_sample=1e-3, bandwidth="10MB", latency="100us")
+
+
+def test_allreduce_schedule(tmp_path):
+    """Each step: compute c, then a ring all-reduce of the gradient plus the stop vote,
+    2 (n-1)/n x bytes / B + 2 (n-1) x latency = (G + 4) / B + 2 x latency for n = 2."""
+    result = simulate(tmp_path, strategy="allreduce", **COSTS)
+    step = C + (G + 4) / B + 2 * LAT
+    assert virtual(result) == pytest.approx(STEPS * step, rel=1e-12)
+    w = result.summary["per_worker"][0]
+    assert w["compute_seconds"] == pytest.approx(STEPS * C, abs=1e-6)
+    assert w["communication_seconds"] == pytest.approx(STEPS * ((G + 4) / B + 2 * LAT), abs=1e-6)
+    assert w["idle_seconds"] == pytest.approx(0, abs=1e-9)
+
+
+def test_allreduce_schedule_with_a_straggler(tmp_path):
+    """Worker 1 three times as slow: every step lasts 3c plus the all-reduce, and worker 0
+    idles 2c per step waiting for it."""
+    result = simulate(tmp_path, strategy="allreduce", straggler=("rank=1,factor=3",), **COSTS)
+    assert virtual(result) == pytest.approx(STEPS * (3 * C + (G + 4) / B + 2 * LAT), rel=1e-12)
+    assert result.summary["per_worker"][0]["idle_seconds"] == pytest.approx(STEPS * 2 * C, abs=1e-6)
+
+
+def test_ako_two_partitions_lock_step_schedule(tmp_path):
+    """p = 2, s = 0: each step computes c, sends partition t mod 2 (s_t bytes) to the peer
+    and waits for the peer's, s_t / B + latency later; then both flush the whole accumulator
+    (G / B + latency)."""
+    result = simulate(tmp_path, strategy="ako", partitions=2, staleness=0, **COSTS)
+    replica = Replica(build_model("cnn", (1, 8, 8), 10), OptimizerConfig(0.1))
+    sizes = [(hi - lo) * 4 for lo, hi in partition_bounds(NUMEL, 2, replica.boundaries)]
+    expected = sum(C + sizes[t % 2] / B + LAT for t in range(STEPS)) + G / B + LAT
+    assert virtual(result) == pytest.approx(expected, rel=1e-12)
+
+
+def test_bsp_schedule(tmp_path):
+    """One server. Both workers push G bytes at once; the second push queues behind the first
+    on the server's downlink, and the server's replies go out one after the other on its
+    uplink. From the second iteration on, worker 0 (released first) pushes while worker 1 is
+    still receiving, so the downlink is free again when worker 1 pushes: every iteration costs
+    c + 3 G / B + 2 x latency from worker 0's point of view, the first one included."""
+    result = simulate(tmp_path, strategy="bsp", **COSTS)
+    assert virtual(result) == pytest.approx(STEPS * (C + 3 * G / B + 2 * LAT), rel=1e-12)
+    end = result.summary["simulation"]["virtual_seconds"]  # worker 1's last reply: one G / B later
+    assert end == pytest.approx(virtual(result) + G / B, rel=1e-12)
+    server = result.summary["per_server"][0]
+    assert server["bytes_received"] == server["bytes_sent"] == 2 * STEPS * G
+    assert server["downlink_utilisation"] == pytest.approx(2 * STEPS * G / B / end, abs=1e-4)
+
+
+def test_absp_straggler_hands_in_part_of_its_assignment(tmp_path):
+    """A-BSP in virtual time: worker 1 at factor 4 is told to stop after a micro-batch
+    when worker 0 pushes its whole assignment, and its leftovers go first next time."""
+    result = simulate(tmp_path, strategy="absp", straggler=("rank=1,factor=4",), **COSTS)
+    fast, slow = result.summary["per_worker"]
+    assert fast["handed_in"] == 1.0
+    assert 0 < slow["handed_in"] < 1
+    assert result.summary["oldest_waiting"] >= 1
+
+
+def _bandwidth_bound(tmp_path, strategy, n, **overrides):
+    config = small_config(
+        tmp_path, strategy=strategy, workers=n, train_samples=1024, batch_size=8, epochs=2.0,
+        eval_every=0.25, seconds_per_sample=1e-3, **overrides,
+    )  # fmt: skip
+    return ako.simulate(config).summary
+
+
+def test_server_downlink_saturates_as_workers_grow(tmp_path):
+    """asp, one server, each push taking c / 20 of the server's downlink: its utilisation grows
+    with n (steady state n / 22 below saturation) until the link is the bottleneck (32 pushes
+    per c need 1.6 c of link time). Over the whole run it stays below 1 at n = 32 only because
+    the link idles during the first computation and while the last workers finish."""
+    bandwidth = f"{G * 20 / 0.008:.0f}"  # bytes/s: G / B = c / 20 for c = 8 samples x 1 ms
+    use = [_bandwidth_bound(tmp_path, "asp", n, bandwidth=bandwidth)["per_server"][0]["downlink_utilisation"] for n in (4, 8, 16, 32)]
+    assert use == sorted(use)
+    assert use[0] < 0.25
+    assert use[-1] > 0.8
+
+
+def test_ako_auto_keeps_bytes_per_worker_per_second_constant(tmp_path):
+    """ako, p = auto at 2 MB/s: p = ceil((n-1) G / (B c)) grows with n, and the bytes a worker
+    sends per second while training (rank 0's log, before the final flush) stay within 10%."""
+    rates, partitions = [], []
+    for n in (4, 8, 16, 32):
+        summary = _bandwidth_bound(tmp_path, "ako", n, bandwidth="2MB")
+        partitions.append(summary["partitions"])
+        log = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        first, last = log[0], log[-2]  # the last record comes after the flush
+        rates.append((last["bytes_sent"] - first["bytes_sent"]) / (last["time"] - first["time"]))
+    assert partitions == [17, 40, 85, 176]  # ceil((n-1) x 90408 / 16000)
+    assert max(rates) / min(rates) < 1.1
+    assert min(rates) == pytest.approx(2e6, rel=0.1)  # the link budget
+
+
+@pytest.mark.parametrize("strategy,overrides", [("ako", {}), ("asp", {})])
+def test_same_seed_same_result(tmp_path, strategy, overrides):
+    """Random stragglers and asynchronous strategies: two runs with the same seed agree bit for
+    bit (parameters, times, bytes)."""
+    config = dict(strategy=strategy, straggler=("prob=0.3,factor=3",), **COSTS, **overrides)
+    one, two = simulate(tmp_path, **config), simulate(tmp_path, **config)
+    for a, b in zip(one.workers, two.workers):
+        assert torch.equal(a.params, b.params)
+    drop = ("run_dir", "wall_seconds", "simulation")
+    assert {k: v for k, v in one.summary.items() if k not in drop} == {k: v for k, v in two.summary.items() if k not in drop}
+    assert virtual(one) == virtual(two)
+
+
+def test_cli_simulate_and_calibrate(tmp_path, capsys):
+    """`ako calibrate` writes a profile that `ako simulate --profile` takes; bad input exits 2
+    with one line."""
+    profile = tmp_path / "cnn.toml"
+    assert main(["calibrate", "--model", "cnn", "--dataset", "digits", "--batch-size", "16", "--out", str(profile)]) == 0
+    assert "seconds_per_sample" in profile.read_text()
+    common = ["--dataset", "digits", "--train-samples", "384", "--batch-size", "16", "--epochs", "0.1",
+              "--out-dir", str(tmp_path / "runs"), "--no-progress"]  # fmt: skip
+    assert main(["simulate", "--strategy", "bsp", "--workers", "2", "--profile", str(profile), *common]) == 0
+    out = capsys.readouterr().out
+    assert "virtual s" in out and "server rank 2" in out
+    for bad, word in [(["--latency", "5 parsecs"], "latency"), (["--profile", str(tmp_path / "none.toml")], "profile"),
+                      (["--batch-size", "32", "--profile", str(profile)], "batch_size")]:  # fmt: skip
+        assert main(["simulate", *common, *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and word in err
+    assert main(["train", "--latency", "1ms", *common]) == 2
+
+
+def test_ako_one_partition_lock_step_equals_allreduce(tmp_path):
+    """p = 1, s = 0 in the simulator: every replica applies sum_j g_j / n each step, as
+    all-reduce SGD does, with links and latency costing time but not changing the math."""
+    reference = simulate(tmp_path, strategy="allreduce", **COSTS)
+    result = simulate(tmp_path, strategy="ako", partitions=1, staleness=0, **COSTS)
+    for w in result.workers:
+        torch.testing.assert_close(w.params, reference.workers[0].params, rtol=0, atol=1e-5)
