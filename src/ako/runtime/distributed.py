@@ -108,16 +108,20 @@ class DistributedRuntime:
 
     def run(self, program, ctx, state: WorkerState | None) -> dict:
         """Drive the generator `program(ctx)` to its end; returns what it returns. `state` is
-        None for a server (it computes nothing)."""
+        None for a server (it computes nothing). An operation's error is raised inside the
+        program, at its `yield`, so that it may catch it (a `PeerLost` around a pull)."""
         self.state = state
         gen = program(ctx)
-        result = None
+        result, error = None, None
         while True:
             try:
-                op = gen.send(result)
+                op = gen.send(result) if error is None else gen.throw(error)
             except StopIteration as done:
                 return done.value or {}
-            result = self.execute(op)
+            try:
+                result, error = self.execute(op), None
+            except Exception as e:  # noqa: BLE001 (handed to the program; uncaught, it comes back out)
+                result, error = None, e
 
     def execute(self, op):
         """Carry out one operation of `ako.strategies.ops` and return its result."""

@@ -5,6 +5,9 @@ results, like a SimPy process. The distributed runtime carries them out on torch
 simulated runtime carries out the same math and charges their time from a cost model. Anything
 that costs time or crosses the network is an operation; updating the replica is plain tensor code.
 
+An operation that fails (`PeerLost`, `TimeoutError`) raises its error inside the program, at
+the `yield`: the program may catch it, and if it does not, the worker fails with it.
+
 Tensors handed to `Send` and `AllReduce` are flat, contiguous float32 vectors. After a `Send`
 the runtime owns the tensor until it is delivered: the program must not modify it (send a clone
 of a buffer it keeps using).
