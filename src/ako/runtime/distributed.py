@@ -25,7 +25,7 @@ from ako.config import ConfigError, to_toml
 from ako.data import fetch
 from ako.metrics import MetricsLog, build_summary, create_run_dir, format_summary, write_atomic, write_summary
 from ako.runtime.job import Job
-from ako.runtime.mailbox import FINAL, PROBE, REPORT, STOP, Mailbox, comm_error
+from ako.runtime.mailbox import FINAL, PROBE, PULL, REPORT, SNAPSHOT, STOP, Mailbox, comm_error
 from ako.runtime.worker import Clock, WorkerState
 from ako.strategies import ServerContext, WorkerContext
 from ako.strategies.ops import (
@@ -40,8 +40,11 @@ from ako.strategies.ops import (
     PartialGradient,
     PeerLost,
     Poll,
+    Publish,
+    Pull,
     Recv,
     Send,
+    Snapshot,
 )
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -140,6 +143,11 @@ class DistributedRuntime:
                 return [self._to_device(m) for m in self.mailbox.poll(tag, tolerant=self.survives_loss)]
             case Lost():
                 return frozenset(self.mailbox.lost)
+            case Publish(tensor, step):
+                self.mailbox.publish(tensor.detach().to("cpu", copy=True), step)
+                return None
+            case Pull(src):
+                return self.pull(src)
             case AllReduce(tensor, reduce):
                 return self.all_reduce(tensor, reduce)
             case Now():
@@ -149,6 +157,14 @@ class DistributedRuntime:
             case MeasureBandwidth():
                 return self.measure_bandwidth()
         raise TypeError(f"unknown operation {op!r}")
+
+    def pull(self, src: int) -> Snapshot:
+        """Request `src`'s published snapshot and wait for it (see `ops.Pull`)."""
+        if src in self.mailbox.lost:
+            raise PeerLost(src, self.mailbox.lost[src])
+        self.mailbox.send(torch.empty(0), src, PULL, drop_lost=self.survives_loss)
+        message = self.mailbox.get(SNAPSHOT, src, self.timeout)
+        return Snapshot(src, message.step, message.tensor.to(self.device))
 
     def compute(self) -> Gradient:
         """Forward and backward on the next mini-batch, slowed as the cluster says."""

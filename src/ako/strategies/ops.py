@@ -107,6 +107,42 @@ class Poll:
 
 
 @dataclass(frozen=True)
+class Publish:
+    """Make a copy of `tensor` (flat, float32, (numel,)) this worker's published snapshot,
+    replacing the previous one; `step` travels with it. The runtime answers peers' `Pull`s
+    with the latest snapshot by itself, while this program goes on training: publishing never
+    waits, and being pulled from costs the program nothing. Result: None.
+
+    Distributed runtime: a receive thread answers each pull request with an `isend`. A
+    simulated runtime: the snapshot current when a request arrives, charged as one message."""
+
+    tensor: torch.Tensor
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class Pull:
+    """Ask worker `src` for its latest published snapshot and wait for the answer, up to the
+    run's timeout. A request that reaches `src` before its first `Publish` is answered at that
+    publish. `src` answers as long as its program runs (a strategy that pulls ends with a
+    handshake, so that no peer pulls from a worker that has finished). Result: `Snapshot`.
+    Raises `PeerLost` when `src` is dead or dies before answering, TimeoutError when it does
+    not answer within the timeout."""
+
+    src: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Result of `Pull`: `tensor` (numel,) is a copy of worker `src`'s parameters as it
+    published them after its step `step`; the program may keep and modify it."""
+
+    src: int
+    step: int
+    tensor: torch.Tensor
+
+
+@dataclass(frozen=True)
 class AllReduce:
     """Reduce `tensor` over all workers, in place ("sum" or "max"). Result: the tensor."""
 
