@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ako.config import ConfigError, to_toml
 from ako.data import fetch
 from ako.metrics import MetricsLog, build_summary, create_run_dir, format_summary, write_atomic, write_summary
+from ako.runtime.consensus import MailboxReplicas
 from ako.runtime.job import Job
 from ako.runtime.mailbox import FINAL, PROBE, PULL, REPORT, SNAPSHOT, STOP, Mailbox, comm_error
 from ako.runtime.worker import Clock, WorkerState
@@ -280,9 +281,10 @@ class DistributedRuntime:
         reports, finals = [report], [] if params is None else [params.cpu()]
         for peer in self.mailbox.peers:
             try:
-                reports.append(_decode(self.mailbox.get(REPORT, peer, self.timeout).tensor))
-                if params is not None and reports[-1]["role"] == "worker":
+                report = _decode(self.mailbox.get(REPORT, peer, self.timeout).tensor)
+                if params is not None and report["role"] == "worker":
                     finals.append(self.mailbox.get(FINAL, peer, self.timeout).tensor)
+                reports.append(report)  # after its final: reports and finals stay in step
             except PeerLost:
                 if not self.survives_loss:
                     raise
@@ -386,8 +388,10 @@ def _train(job: Job, rank: int, world: int, device: torch.device) -> tuple[Worke
     log = MetricsLog(run_dir / "metrics.jsonl") if run_dir else None
     servers = list(range(n, world))
     if rank < n:
+        replicas = MailboxReplicas(runtime.mailbox, n) if strategy.decentralised else None
         state = WorkerState(
-            config, rank, n, data.train, data.test, replica, runtime.clock, log, runtime.bytes_moved, runtime.request_stop
+            config, rank, n, data.train, data.test, replica, runtime.clock, log, runtime.bytes_moved,
+            runtime.request_stop, replicas,
         )  # fmt: skip
         program, ctx = strategy.worker, WorkerContext(rank, n, replica, config, state.should_stop, servers)
     else:
@@ -402,8 +406,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device) -> tuple[Worke
     runtime.close()
     summary = None
     if rank == 0:
-        average = torch.stack(finals).mean(0).to(device) if finals else None
-        summary = _report(job, data, state, reports, average, sorted(runtime.mailbox.lost), run_dir)
+        summary = _report(job, data, state, reports, finals, sorted(runtime.mailbox.lost), run_dir)
     return WorkerResult(rank, replica.params.cpu().clone(), facts, summary), bool(runtime.mailbox.lost)
 
 
@@ -415,10 +418,16 @@ def _open_run_dir(config, strategy: str, data) -> Path:
     return run_dir
 
 
-def _report(job: Job, data, state: WorkerState, reports: list[dict], average, lost: list[int], run_dir: Path) -> dict:
-    """Rank 0, after training: evaluate, write summary.json, print the summary."""
-    final = state.finish()
-    average_eval = None if average is None else state.replica.evaluate_params(average, data.test)
+def _report(job: Job, data, state: WorkerState, reports: list[dict], finals, lost: list[int], run_dir: Path) -> dict:
+    """Rank 0, after training: evaluate, write summary.json, print the summary. `finals`: the
+    live workers' final replicas (decentralised strategies), in the order of their reports;
+    their average is weighted by each worker's `average_weight` fact when it has one."""
+    end = {}
+    if finals:
+        weights = [float(r.get("average_weight", 1.0)) for r in reports if r["role"] == "worker"]
+        end = state.consensus_record(finals, weights)
+    final = state.finish(end)
+    average_eval = (final["average_loss"], final["average_accuracy"]) if finals else None
     summary = build_summary(
         job.strategy.name, job.config, data.name, reports, state.log.records, final,
         average_eval, state.clock.now(), state.clock.wall(),
