@@ -9,9 +9,8 @@ from ako import TrainConfig
 from ako.data import ShardSampler, fetch, load_dataset
 from ako.models import build_model
 from ako.replica import OptimizerConfig, Replica
-from ako.strategies import Strategy
+from ako.strategies import Strategy, gossip
 from ako.strategies import ako as ako_strategy
-from ako.strategies import gossip
 from ako.strategies.ops import Compute, Publish, Pull
 
 

@@ -12,14 +12,14 @@ import time
 
 import pytest
 import torch
+from helpers import GOSSIP_LR0, LATE_PUBLISHER, STAR_PULL, small_config
+from test_failures import find_worker, wait_for_metrics
 
 import ako
 from ako.cli import build_parser, config_from_args, main
 from ako.runtime.consensus import consensus_distance
 from ako.strategies.gossip import WEIGHT_UNIT, PeerSelector, PushSumState, rotating_partner
 from ako.strategies.ops import Message
-from helpers import GOSSIP_LR0, LATE_PUBLISHER, STAR_PULL, small_config
-from test_failures import find_worker, wait_for_metrics
 
 GRAD_BYTES = 22_602 * 4  # the cnn on 8x8 digits
 
@@ -147,6 +147,20 @@ def test_push_sum_preserves_the_average_exactly_with_learning_rate_0(tmp_path):
     assert (final - preserved).norm(dim=1).mean() < 1e-3
     assert all(w["rounds"] == 60 for w in result.summary["per_worker"])
     assert result.summary["consensus_distance"] < 1e-4
+
+
+def test_push_sum_keeps_a_straggler_weighted(tmp_path):
+    """Rank 3 computes 4 times slower, so the others finish long before it. Pushes go only to
+    peers still training: a finished worker would keep every weight sent to it, and rank 3,
+    halving its weight each round for the rest of its run, would end with almost none."""
+    config = small_config(
+        tmp_path, strategy="gossip", gossip="push-sum", workers=4, epochs=5.0, straggler=("rank=3,factor=4",)
+    )
+    result = ako.train(config)
+    weights = [w["average_weight"] for w in result.summary["per_worker"]]
+    assert sum(weights) == pytest.approx(4, abs=1e-12)
+    assert weights[3] > 0.05, weights
+    assert [w["steps"] for w in result.summary["per_worker"]] == [30] * 4
 
 
 def test_pull_with_learning_rate_0_drives_consensus_distance_to_0_geometrically(tmp_path):

@@ -19,7 +19,6 @@ from ako.metrics import MetricsLog
 from ako.replica import Replica
 from ako.runtime.consensus import ReplicaExchange, consensus_distance
 
-
 _SNAPSHOT_BYTES = 256 << 20
 
 

@@ -16,6 +16,9 @@ steps it does one gossip round with one peer, in one of two ways (`--gossip`):
   average of the replicas is preserved exactly once every message is delivered. Weights are
   integers in units of 2**-48 (they travel in the message header's `aux`), so their sum is
   conserved without rounding; the run's final average is weighted by them (`average_weight`).
+  A worker pushes only to peers still training: one that has finished would keep all the
+  weight sent to it, and the last steps of the workers still training would count for almost
+  nothing.
 
 Peers (`--peers`): `random` draws one live peer uniformly per round (seeded by the run seed
 and the rank), as in Jin et al.; `rotating` follows `rotating_partner`, a hypercube schedule
@@ -89,13 +92,15 @@ def push_sum(ctx, select: PeerSelector):
     the peer; merge every state received."""
     replica, tau = ctx.replica, ctx.config.tau
     state = PushSumState(replica.params)
+    finished: set[int] = set()  # peers whose DONE came: they merge pushes but no longer train
     steps = rounds = 0
     while True:
         g = yield Compute()
         replica.step(g.grad)
         steps += 1
         if steps % tau == 0:
-            peer = select.next(rounds, (yield Lost()))
+            finished.update(m.src for m in (yield Poll(DONE)))
+            peer = select.next(rounds, (yield Lost()) | finished)
             half = state.weight // 2
             if peer is not None and half > 0:
                 # a peer that dies takes the weight it holds (or is sent) with it: after a
@@ -106,21 +111,21 @@ def push_sum(ctx, select: PeerSelector):
         state.merge_all((yield Poll(PUSH)))
         if ctx.stopping:
             break
-    yield from handshake(ctx, state)
+    yield from handshake(ctx, state, finished)
     state.merge_all((yield Poll(PUSH)))  # every peer's DONE is in, so are all its pushes
     return {"steps": steps, "rounds": rounds, "average_weight": state.weight / WEIGHT_UNIT}
 
 
-def handshake(ctx, state: PushSumState | None = None):
-    """End of training: send DONE to every live peer, then wait for every live peer's DONE
-    (each wait up to the run's timeout), merging the pushes that arrive meanwhile into
-    `state` (push-sum). Messages from one peer arrive in order, so after its DONE nothing more
-    comes from it."""
+def handshake(ctx, state: PushSumState | None = None, done: set[int] = frozenset()):
+    """End of training: send DONE to every live peer, then wait for the DONE of every live peer
+    not in `done` (already received), each wait up to the run's timeout, merging the pushes that
+    arrive meanwhile into `state` (push-sum). Messages from one peer arrive in order, so after
+    its DONE nothing more comes from it."""
     lost = yield Lost()
     for peer in ctx.peers:
         if peer not in lost:
             yield Send(torch.empty(0), peer, DONE)
-    waiting = set(ctx.peers)
+    waiting = set(ctx.peers) - done
     while waiting:
         waiting -= yield Lost()
         if not waiting:
