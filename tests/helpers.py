@@ -57,16 +57,16 @@ def _recorded_ako(ctx):
 RECORDED_AKO = Strategy("ako", _recorded_ako, decentralised=True, check=ako_strategy.check)
 
 
-def single_process_sgd(config: TrainConfig, steps: int) -> torch.Tensor:
-    """Flat parameters after `steps` steps of SGD on the union of the workers' mini-batches
-    (each step: the n workers' batches of that step, concatenated)."""
+def single_process_sgd(config: TrainConfig, steps: int, ranks=None) -> torch.Tensor:
+    """Flat parameters after `steps` steps of SGD on the union of the mini-batches of workers
+    `ranks` (default: all; each step: their batches of that step, concatenated)."""
     split = load_dataset(config.dataset, config.data_dir, config.train_samples, config.test_samples)
     torch.manual_seed(config.seed)
     model = build_model(config.model, split.input_shape, split.num_classes)
     replica = Replica(model, OptimizerConfig(config.lr, config.momentum, config.nesterov, config.weight_decay))
     samplers = [
         ShardSampler(len(split.train), r, config.workers, config.batch_size, config.seed)
-        for r in range(config.workers)
+        for r in (range(config.workers) if ranks is None else ranks)
     ]
     for t in range(steps):
         idx = torch.cat([s.batch(t) for s in samplers])
@@ -97,7 +97,7 @@ def digits_cnn() -> torch.nn.Module:
 def _perturbed_lr0(ctx):
     """Gossip with learning rate 0 from replicas made different on purpose (noise of std 0.05
     seeded by the rank), so that only the averaging moves them. Facts add the initial replica."""
-    for group in ctx.replica.optimizer.param_groups:
+    for group in ctx.replica.optimizer.optimizer.param_groups:  # FlatSGD wraps torch SGD
         group["lr"] = 0.0
     noise = torch.randn(ctx.replica.numel, generator=torch.Generator().manual_seed(1000 + ctx.rank))
     ctx.replica.params.add_(noise, alpha=0.05)
@@ -143,3 +143,22 @@ def _late_publisher(ctx):
 
 
 LATE_PUBLISHER = Strategy("gossip", _late_publisher, decentralised=True, survives_loss=True)
+
+
+class recorded:
+    """A worker program that runs `program` unchanged, calling `record(op, result, log)` after
+    each operation; the dict `log` joins the program's facts (tensors come back by value).
+    A class, not a closure, so that it pickles to the worker processes."""
+
+    def __init__(self, program, record):
+        self.program, self.record = program, record
+
+    def __call__(self, ctx):
+        log, gen, result = {}, self.program(ctx), None
+        while True:
+            try:
+                op = gen.send(result)
+            except StopIteration as done:
+                return {**(done.value or {}), **log}
+            result = yield op
+            self.record(op, result, log)

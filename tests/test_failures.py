@@ -1,7 +1,9 @@
-"""A worker killed mid-run ends the whole job quickly, with a message naming its rank."""
+"""A worker or server killed mid-run: a synchronous job ends quickly, naming the rank; an
+asynchronous one carries on without the worker and reports it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,17 +14,19 @@ from pathlib import Path
 import pytest
 
 
-def find_worker(rank: int, deadline: float) -> int:
-    """PID of the process named ako-rank<rank> (workers name themselves), waiting for it."""
+def find_process(name: str, parent: int, deadline: float) -> int:
+    """PID of the child of `parent` named `name` (workers name themselves ako-rank<R>, servers
+    ako-server<R>), waiting for it."""
     while time.monotonic() < deadline:
         for comm in Path("/proc").glob("[0-9]*/comm"):
             try:
-                if comm.read_text().strip() == f"ako-rank{rank}":
+                ppid = int((comm.parent / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if ppid == parent and comm.read_text().strip() == name:
                     return int(comm.parent.name)
-            except OSError:
+            except (OSError, ValueError, IndexError):
                 continue
         time.sleep(0.1)
-    raise AssertionError(f"no process ako-rank{rank} appeared")
+    raise AssertionError(f"no process {name} appeared")
 
 
 def wait_for_metrics(out_dir: Path, deadline: float) -> None:
@@ -34,27 +38,55 @@ def wait_for_metrics(out_dir: Path, deadline: float) -> None:
     raise AssertionError("training did not start")
 
 
-@pytest.mark.parametrize("strategy", ["allreduce", "ako"])
-def test_killed_worker_stops_the_job_within_20_s_naming_its_rank(tmp_path, strategy):
+def start_and_kill(tmp_path, strategy: str, victim_name: str, *extra: str):
+    """Start a 2-worker run, kill the process named `victim_name` once training has begun;
+    returns (exit status, stderr, stdout, seconds from the kill to the end)."""
     out_dir = tmp_path / "runs"
     cmd = [sys.executable, "-m", "ako", "train", "--strategy", strategy, "--workers", "2",
            "--dataset", "digits", "--epochs", "100000", "--eval-every", "1000",
            "--target-accuracy", "0.999",  # evaluates online: metrics show training has begun
-           "--out-dir", str(out_dir), "--timeout", "60"]  # fmt: skip
+           "--out-dir", str(out_dir), "--timeout", "60", *extra]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90
-        victim = find_worker(1, deadline)
+        victim = find_process(victim_name, proc.pid, deadline)
         wait_for_metrics(out_dir, deadline)
         time.sleep(1.0)
         killed = time.monotonic()
         os.kill(victim, signal.SIGKILL)
-        _, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=60)
         elapsed = time.monotonic() - killed
     finally:
         proc.kill()
         proc.wait()
-    assert proc.returncode == 1, err
+    return proc.returncode, err, out, elapsed
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "ako", "bsp", "ssp", "absp"])
+def test_killed_worker_stops_a_synchronous_job_within_20_s_naming_its_rank(tmp_path, strategy):
+    code, err, _, elapsed = start_and_kill(tmp_path, strategy, "ako-rank1")
+    assert code == 1, err
     assert elapsed < 20, f"took {elapsed:.1f} s"
     assert "worker rank 1 failed: killed by SIGKILL" in err, err
+    assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("strategy", ["asp", "easgd"])
+def test_asynchronous_job_survives_a_killed_worker_and_reports_it(tmp_path, strategy):
+    code, err, out, elapsed = start_and_kill(tmp_path, strategy, "ako-rank1", "--max-time", "6")
+    assert code == 0, err
+    assert "worker rank 1 died; the others carried on" in out, out
+    summary = json.loads(next((tmp_path / "runs").glob("*/summary.json")).read_text())
+    assert summary["lost_ranks"] == [1]
+    assert [w["rank"] for w in summary["per_worker"]] == [0]
+    assert summary["train_seconds"] >= 6
+    assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("strategy", ["bsp", "asp"])
+def test_killed_server_stops_the_job_naming_it(tmp_path, strategy):
+    code, err, _, elapsed = start_and_kill(tmp_path, strategy, "ako-server2")
+    assert code == 1, err
+    assert elapsed < 20, f"took {elapsed:.1f} s"
+    assert "server rank 2 failed: killed by SIGKILL" in err, err
     assert "Traceback" not in err, err

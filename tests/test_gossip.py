@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 from helpers import GOSSIP_LR0, LATE_PUBLISHER, STAR_PULL, small_config
-from test_failures import find_worker, wait_for_metrics
+from test_failures import find_process, wait_for_metrics
 
 import ako
 from ako.cli import build_parser, config_from_args, main
@@ -142,11 +142,13 @@ def test_push_sum_preserves_the_average_exactly_with_learning_rate_0(tmp_path):
     final = torch.stack([w.params for w in result.workers]).double()
     preserved = (torch.tensor(weights, dtype=torch.float64) @ final) / n
     torch.testing.assert_close(preserved, initial.mean(0), rtol=0, atol=1e-6)
-    # and the replicas have come together: from about 0.05 x sqrt(numel) apart to far less
-    assert (initial - initial.mean(0)).norm(dim=1).mean() > 5
-    assert (final - preserved).norm(dim=1).mean() < 1e-3
+    # and the pushes mixed them: from about 0.05 x sqrt(numel) apart to 100 times closer at
+    # least (not to 0: a worker that finishes first is pushed to no more, and keeps its replica)
+    spread = (initial - initial.mean(0)).norm(dim=1).mean()
+    assert spread > 5
+    assert (final - preserved).norm(dim=1).mean() < spread / 100
     assert all(w["rounds"] == 60 for w in result.summary["per_worker"])
-    assert result.summary["consensus_distance"] < 1e-4
+    assert result.summary["consensus_distance"] < consensus_distance(initial.float())[0] / 100
 
 
 def test_push_sum_keeps_a_straggler_weighted(tmp_path):
@@ -222,7 +224,7 @@ def test_killed_worker_is_dropped_and_the_others_finish(tmp_path, mode):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90
-        victim = find_worker(2, deadline)
+        victim = find_process("ako-rank2", proc.pid, deadline)
         wait_for_metrics(out_dir, deadline)  # training has begun
         killed = time.monotonic()
         os.kill(victim, signal.SIGKILL)

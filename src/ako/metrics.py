@@ -76,6 +76,8 @@ def format_summary(s: dict) -> str:
     acc = f"{s['test_accuracy']:.4f} (rank 0's replica)"
     if s.get("average_accuracy") is not None:
         acc += f", {s['average_accuracy']:.4f} (average of the replicas)"
+    if s.get("centre_accuracy") is not None:
+        acc += f", {s['centre_accuracy']:.4f} (centre variable)"
     target = s.get("target_accuracy")
     evaluating = s["wall_seconds"] - s["train_seconds"]
     paused = f" (+ {evaluating:.1f} s evaluating)" if evaluating >= 0.05 else ""

@@ -28,6 +28,31 @@ class OptimizerConfig:
     weight_decay: float = 0.0
 
 
+class FlatSGD:
+    """SGD (momentum, Nesterov, weight decay) on one flat parameter vector, updated in place.
+
+    `params` (numel,) may be a view, e.g. a parameter server's shard of a replica's vector:
+    the optimizer state (momentum buffer, numel floats) lives wherever this object does.
+    SGD is elementwise, so shards stepped separately equal the whole vector stepped at once.
+    """
+
+    def __init__(self, params: torch.Tensor, optim: OptimizerConfig):
+        self.param = nn.Parameter(params, requires_grad=True)  # shares `params`' storage
+        self.optimizer = torch.optim.SGD(
+            [self.param],
+            lr=optim.lr,
+            momentum=optim.momentum,
+            nesterov=optim.nesterov and optim.momentum > 0,
+            weight_decay=optim.weight_decay,
+        )
+
+    def step(self, grad: torch.Tensor) -> None:
+        """One optimizer step with `grad` (numel,) as the gradient."""
+        self.param.grad = grad
+        self.optimizer.step()
+        self.param.grad = None
+
+
 class Replica:
     """A model replica with flat parameter and gradient buffers and an SGD optimizer.
 
@@ -46,8 +71,8 @@ class Replica:
             raise ValueError("the model has no trainable parameters")
         sizes = [p.numel() for p in tensors]
         self.numel = sum(sizes)
-        self._flat = nn.Parameter(torch.cat([p.detach().reshape(-1) for p in tensors]).float())
-        self.params = self._flat.data
+        self.optim = optim
+        self.params = torch.cat([p.detach().reshape(-1) for p in tensors]).float()
         self.grad = torch.zeros_like(self.params)
         offset = 0
         offsets = [0]
@@ -57,13 +82,7 @@ class Replica:
             offset += n
             offsets.append(offset)
         self.boundaries = offsets
-        self.optimizer = torch.optim.SGD(
-            [self._flat],
-            lr=optim.lr,
-            momentum=optim.momentum,
-            nesterov=optim.nesterov and optim.momentum > 0,
-            weight_decay=optim.weight_decay,
-        )
+        self.optimizer = FlatSGD(self.params, optim)
 
     @property
     def grad_bytes(self) -> int:
@@ -84,9 +103,7 @@ class Replica:
 
     def step(self, grad: torch.Tensor) -> None:
         """One optimizer step (momentum, weight decay) with `grad`, shape (numel,), as gradient."""
-        self._flat.grad = grad
-        self.optimizer.step()
-        self._flat.grad = None
+        self.optimizer.step(grad)
 
     def evaluate_params(self, params: torch.Tensor, dataset, batch_size: int = 256) -> tuple[float, float]:
         """`evaluate` with `params` (numel,) in place of this replica's own, which are kept."""

@@ -112,20 +112,20 @@ class DistributedRuntime:
 
     def run(self, program, ctx, state: WorkerState | None) -> dict:
         """Drive the generator `program(ctx)` to its end; returns what it returns. `state` is
-        None for a server (it computes nothing). An operation's error is raised inside the
-        program, at its `yield`, so that it may catch it (a `PeerLost` around a pull)."""
+        None for a server (it computes nothing). A `PeerLost` is raised inside the program, at
+        the operation that met it."""
         self.state = state
         gen = program(ctx)
-        result, error = None, None
+        result, lost = None, None
         while True:
             try:
-                op = gen.send(result) if error is None else gen.throw(error)
+                op = gen.send(result) if lost is None else gen.throw(lost)
             except StopIteration as done:
                 return done.value or {}
             try:
-                result, error = self.execute(op), None
-            except Exception as e:  # noqa: BLE001 (handed to the program; uncaught, it comes back out)
-                result, error = None, e
+                result, lost = self.execute(op), None
+            except PeerLost as e:  # raised inside the program, which may carry on without the peer
+                result, lost = None, e
 
     def execute(self, op):
         """Carry out one operation of `ako.strategies.ops` and return its result."""
@@ -143,7 +143,9 @@ class DistributedRuntime:
             case Poll(tag):
                 return [self._to_device(m) for m in self.mailbox.poll(tag, tolerant=self.survives_loss)]
             case Lost():
-                return frozenset(self.mailbox.lost)
+                with self.mailbox.cond:
+                    self.mailbox.told.update(self.mailbox.lost)
+                    return frozenset(self.mailbox.lost)
             case Publish(tensor, step):
                 self.mailbox.publish(tensor.detach().to("cpu", copy=True), step)
                 return None
@@ -192,7 +194,7 @@ class DistributedRuntime:
             done += len(y)
         oldest = state.processed(indices, since, done)
         state.computed(loss_sum / done)
-        return PartialGradient(grad_sum, loss_sum / done, done, len(indices), oldest)
+        return PartialGradient(grad_sum, loss_sum / done, done, indices, oldest)
 
     def _told_to_stop(self, tag: int, iteration: int) -> bool:
         messages = self.mailbox.poll(tag, tolerant=self.survives_loss)
@@ -406,7 +408,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device) -> tuple[Worke
     runtime.close()
     summary = None
     if rank == 0:
-        summary = _report(job, data, state, reports, finals, sorted(runtime.mailbox.lost), run_dir)
+        summary = _report(job, data, state, reports, finals, facts.get("centre"), sorted(runtime.mailbox.lost), run_dir)
     return WorkerResult(rank, replica.params.cpu().clone(), facts, summary), bool(runtime.mailbox.lost)
 
 
@@ -418,10 +420,12 @@ def _open_run_dir(config, strategy: str, data) -> Path:
     return run_dir
 
 
-def _report(job: Job, data, state: WorkerState, reports: list[dict], finals, lost: list[int], run_dir: Path) -> dict:
+def _report(job: Job, data, state: WorkerState, reports: list[dict], finals, centre, lost: list[int], run_dir: Path) -> dict:
     """Rank 0, after training: evaluate, write summary.json, print the summary. `finals`: the
     live workers' final replicas (decentralised strategies), in the order of their reports;
-    their average is weighted by each worker's `average_weight` fact when it has one."""
+    their average is weighted by each worker's `average_weight` fact when it has one. `centre`:
+    the model a strategy with a centre variable reports (a worker program's `centre` fact),
+    (numel,) or None."""
     end = {}
     if finals:
         weights = [float(r.get("average_weight", 1.0)) for r in reports if r["role"] == "worker"]
@@ -434,6 +438,9 @@ def _report(job: Job, data, state: WorkerState, reports: list[dict], finals, los
     )  # fmt: skip
     if job.strategy.summarise is not None:
         summary.update(job.strategy.summarise(reports))
+    if centre is not None:
+        loss, accuracy = state.replica.evaluate_params(centre.to(state.replica.params.device), data.test)
+        summary["centre_accuracy"], summary["centre_loss"] = round(accuracy, 5), round(loss, 5)
     summary["lost_ranks"] = lost
     summary["run_dir"] = str(run_dir)
     write_summary(run_dir, summary)

@@ -50,7 +50,7 @@ def worker_entry(job: Job) -> WorkerResult:
     except EXPECTED_FAILURES as e:
         if os.environ.get("AKO_DEBUG"):
             raise
-        print(f"ako: worker rank {os.environ.get('RANK', '?')}: {one_line(e)}", file=sys.stderr)
+        print(f"ako: rank {os.environ.get('RANK', '?')}: {one_line(e)}", file=sys.stderr)
         # Often this worker only noticed another's death: give the launcher a moment to see
         # that one first, so that its report names the root cause.
         time.sleep(1.0)
@@ -69,9 +69,15 @@ def _torch(result: WorkerResult) -> WorkerResult:
 
 def _convert(result: WorkerResult, kind: type, convert) -> WorkerResult:
     def one(value):
-        return convert(value) if isinstance(value, kind) else value
+        if isinstance(value, kind):
+            return convert(value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(one(v) for v in value)
+        if isinstance(value, dict):
+            return {k: one(v) for k, v in value.items()}
+        return value
 
-    return replace(result, params=one(result.params), facts={k: one(v) for k, v in result.facts.items()})
+    return replace(result, params=one(result.params), facts=one(result.facts))
 
 
 def _exit_now(status: int) -> None:
@@ -86,20 +92,24 @@ def launch(job: Job, processes: int) -> dict[int, WorkerResult]:
     """Run `job` on `processes` local processes (workers, then servers); returns each surviving
     rank's result. Raises WorkerFailed when a worker fails, unless the strategy survives the
     loss of a worker other than rank 0 (the others then carry on; rank 0 reports the loss)."""
-    survivable = range(1, job.config.workers) if job.strategy.survives_loss else ()
-    results = launch_function(worker_entry, processes, job, timeout=job.config.timeout, survivable=survivable)
+    workers = job.config.workers
+    survivable = range(1, workers) if job.strategy.survives_loss else ()
+    results = launch_function(
+        worker_entry, processes, job, timeout=job.config.timeout, survivable=survivable,
+        role=lambda rank: "worker" if rank < workers else "server",
+    )  # fmt: skip
     return {rank: _torch(result) for rank, result in results.items()}
 
 
-def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable=()) -> dict:
+def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable=(), role=lambda rank: "worker") -> dict:
     """Run `fn(*args)` in `processes` spawned processes, as torchrun would start them (RANK,
     LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, one thread each); returns {rank:
     fn's result} for every process that succeeded. `fn` must be importable (spawned processes
     unpickle it).
 
     The launcher hosts the job's TCPStore and watches its processes: when one fails, the others
-    are stopped (SIGTERM, SIGKILL 5 s later) and WorkerFailed names the rank, unless the rank
-    is in `survivable`. Ctrl-C or SIGTERM stops them all and raises
+    are killed and WorkerFailed names the rank, unless the rank
+    is in `survivable`; `role(rank)` names the process in messages. Ctrl-C or SIGTERM stops them all and raises
     KeyboardInterrupt. `timeout` bounds start-up (seconds)."""
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
     env = {
@@ -116,7 +126,7 @@ def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable
         try:
             for rank in range(processes):
                 group.start(context, fn, args, rank, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-            return group.watch(set(survivable))
+            return group.watch(set(survivable), role)
         finally:
             group.stop()
             del store
@@ -137,7 +147,7 @@ class _Group:
         sender.close()
         self.procs[rank], self.pipes[rank] = proc, receiver
 
-    def watch(self, survivable: set[int]) -> dict:
+    def watch(self, survivable: set[int], role) -> dict:
         """Collect results until every process has ended; raise WorkerFailed on a failure that
         ends the job."""
         lost: dict[int, str] = {}
@@ -154,10 +164,10 @@ class _Group:
                 if code == 0 and rank in self.results:
                     continue
                 if code in (130, -signal.SIGINT):
-                    raise KeyboardInterrupt(f"worker rank {rank} was interrupted")
+                    raise KeyboardInterrupt(f"{role(rank)} rank {rank} was interrupted")
                 lost[rank] = _exit_status(code) if code else "exited without a result"
                 if rank not in survivable:
-                    raise WorkerFailed(f"worker rank {rank} failed: {lost[rank]}")
+                    raise WorkerFailed(f"{role(rank)} rank {rank} failed: {lost[rank]}")
         return self.results
 
     def _read(self, rank: int) -> None:
@@ -169,16 +179,13 @@ class _Group:
                 self.results.pop(rank, None)
 
     def stop(self) -> None:
-        """SIGTERM every process still running, SIGKILL what is left 5 s later."""
-        alive = [p for p in self.procs.values() if p.is_alive()]
-        for proc in alive:
-            proc.terminate()
-        deadline = time.monotonic() + 5.0
-        for proc in alive:
-            proc.join(max(0.0, deadline - time.monotonic()))
+        """Kill every process still running: the job is over (run outputs are written
+        atomically, so nothing is left half-written)."""
+        for proc in self.procs.values():
             if proc.is_alive():
                 proc.kill()
-                proc.join()
+        for proc in self.procs.values():
+            proc.join()
 
 
 def _child(fn, args, env: dict, pipe) -> None:
@@ -186,7 +193,6 @@ def _child(fn, args, env: dict, pipe) -> None:
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
     os.environ.update(env)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
     pipe.send(fn(*args))
     pipe.close()
 

@@ -65,6 +65,7 @@ class Mailbox:
         self.timeout = timeout
         self.queues: dict[int, deque[Message]] = {}
         self.lost: dict[int, str] = {}
+        self.told: set[int] = set()  # losses already reported to a tolerant program
         self.cond = threading.Condition()
         self.pending: list[_Send] = []
         self.send_lock = threading.Lock()  # the main thread and the receive threads send
@@ -137,7 +138,8 @@ class Mailbox:
         """Wait up to `timeout` seconds for the next message with `tag` (from `src`, or any).
 
         Raises PeerLost when the awaited peer is gone (for any source: any peer, or, when
-        `tolerant`, every peer), and TimeoutError after `timeout` seconds of silence.
+        `tolerant`, a peer whose loss has not been reported yet, once), and TimeoutError after
+        `timeout` seconds of silence.
         """
         deadline = time.monotonic() + timeout
         with self.cond:
@@ -195,7 +197,13 @@ class Mailbox:
     def _raise_if_lost(self, src: int | None, tolerant: bool = False) -> None:
         if src is not None and src in self.lost:
             raise PeerLost(src, self.lost[src])
-        if src is None and self.lost and (not tolerant or len(self.lost) == len(self.peers)):
+        if src is None and tolerant:
+            news = set(self.lost) - self.told
+            if news:
+                rank = min(news)
+                self.told.add(rank)
+                raise PeerLost(rank, self.lost[rank])
+        elif src is None and self.lost:
             rank = min(self.lost)
             raise PeerLost(rank, self.lost[rank])
 

@@ -4,13 +4,25 @@
 program sees of its runtime besides the operations it yields.
 """
 
-from ako.strategies import ako, allreduce, gossip
+from ako.strategies import absp, ako, allreduce, asp, bsp, easgd, gossip, paramserver
 from ako.strategies.base import ServerContext, Strategy, WorkerContext
+
+
+def _server_strategy(name, worker, server, summarise=paramserver.summarise, **kw) -> Strategy:
+    return Strategy(name, worker, False, paramserver.check, server, summarise=summarise, **kw)
+
 
 STRATEGIES: dict[str, Strategy] = {
     "allreduce": Strategy("allreduce", allreduce.worker, decentralised=False),
     "ako": Strategy("ako", ako.worker, decentralised=True, check=ako.check),
     "gossip": Strategy("gossip", gossip.worker, decentralised=True, survives_loss=True),
+    "bsp": _server_strategy("bsp", paramserver.gradient_worker, bsp.bsp_server),
+    "ssp": _server_strategy("ssp", paramserver.gradient_worker, bsp.ssp_server),
+    "asp": _server_strategy("asp", paramserver.gradient_worker, asp.server, survives_loss=True),
+    "absp": _server_strategy("absp", absp.worker, absp.server, summarise=absp.summarise),
+    "easgd": Strategy(
+        "easgd", easgd.worker, True, paramserver.check, easgd.server, survives_loss=True, summarise=paramserver.summarise
+    ),
 }
 
 __all__ = ["STRATEGIES", "ServerContext", "Strategy", "WorkerContext"]

@@ -5,8 +5,9 @@ results, like a SimPy process. The distributed runtime carries them out on torch
 simulated runtime carries out the same math and charges their time from a cost model. Anything
 that costs time or crosses the network is an operation; updating the replica is plain tensor code.
 
-An operation that fails (`PeerLost`, `TimeoutError`) raises its error inside the program, at
-the `yield`: the program may catch it, and if it does not, the worker fails with it.
+An operation that meets a dead peer raises `PeerLost` inside the program, at the `yield`: the
+program may catch it, and if it does not, the worker fails with it. Other errors (a timeout)
+fail the worker.
 
 Tensors handed to `Send` and `AllReduce` are flat, contiguous float32 vectors. After a `Send`
 the runtime owns the tensor until it is delivered: the program must not modify it (send a clone
@@ -54,15 +55,19 @@ class ComputePartial:
 @dataclass(frozen=True)
 class PartialGradient:
     """Result of `ComputePartial`: `grad_sum` (numel,) is the SUM of the per-sample gradients
-    of the `samples` processed (a fresh tensor); `assigned` is how many the assignment held;
-    `loss` the mean loss of the processed samples; `oldest` the age in iterations of the oldest
-    sample still waiting (0 when none waits)."""
+    of the first `samples` of the assignment `indices` (int64 (assigned,), data set indices);
+    `loss` the mean loss of those; `oldest` the age in iterations of the oldest sample still
+    waiting (0 when none waits)."""
 
     grad_sum: torch.Tensor
     loss: float
     samples: int
-    assigned: int
+    indices: torch.Tensor
     oldest: int
+
+    @property
+    def assigned(self) -> int:
+        return len(self.indices)
 
 
 @dataclass(frozen=True)
@@ -92,7 +97,8 @@ class Message:
 class Recv:
     """Wait for the next message with `tag` (from `src`, or from anyone when None), up to the
     run's timeout. Result: `Message`. Raises `PeerLost` when the awaited peer is gone (for any
-    source: when any peer is gone, or, if the strategy survives losses, when every peer is)."""
+    source: when any peer is gone, or, if the strategy survives losses, once for each peer whose
+    loss neither an earlier `Recv` nor `Lost` has reported)."""
 
     tag: int
     src: int | None = None
@@ -126,8 +132,8 @@ class Pull:
     run's timeout. A request that reaches `src` before its first `Publish` is answered at that
     publish. `src` answers as long as its program runs (a strategy that pulls ends with a
     handshake, so that no peer pulls from a worker that has finished). Result: `Snapshot`.
-    Raises `PeerLost` when `src` is dead or dies before answering, TimeoutError when it does
-    not answer within the timeout."""
+    Raises `PeerLost` when `src` is dead or dies before answering; the worker fails with
+    TimeoutError when `src` does not answer within the timeout."""
 
     src: int
 
@@ -158,7 +164,7 @@ class Now:
 @dataclass(frozen=True)
 class Lost:
     """Result: the frozenset of peer ranks known to be dead (for strategies that survive losses;
-    a `Send` to a dead peer is dropped)."""
+    a `Send` to a dead peer is dropped). Counts as reporting those losses (see `Recv`)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,72 @@
+"""A-BSP: BSP whose iteration ends when the first worker finishes (Wang et al., "Aggressive
+synchronization with partial processing for iterative ML jobs on clusters", Middleware 2018).
+
+Each iteration every worker works through its assignment in micro-batches (`ComputePartial`).
+When a server receives the first push of a whole assignment, it tells every worker that has
+not pushed yet to stop after its current micro-batch; each pushes the SUM of the gradients of
+the samples it processed and their count. When every worker has pushed, the server applies
+sum / count over all of them (the mean gradient of every sample processed) as one optimizer
+step and releases the next iteration. A worker's unprocessed samples go first in its next
+assignment, so no sample starves; with no stragglers every assignment is whole and A-BSP is BSP.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ako.strategies import paramserver
+from ako.strategies.ops import ComputePartial, Recv, Send
+from ako.strategies.paramserver import PUSH, STOP, Shard, pack, pull, push, unpack
+
+
+def worker(ctx):
+    """A-BSP worker program; its facts: the mean fraction of its assignment it handed in per
+    iteration, and the greatest age (iterations) a waiting sample reached."""
+    handed_in, oldest, t = 0.0, 0, 0
+    while True:
+        part = yield ComputePartial(ctx.config.micro_batch, STOP, t)
+        whole = part.samples == part.assigned
+        vote = int(ctx.stopping)
+        yield from push(ctx, part.grad_sum, step=t, aux=pack((vote, 1), (int(whole), 1), (part.samples, 32)))
+        _, finish = yield from pull(ctx, ctx.replica.params)
+        handed_in += part.samples / part.assigned
+        oldest = max(oldest, part.oldest)
+        t += 1
+        if finish:
+            return {"steps": t, "handed_in": round(handed_in / t, 4), "oldest_waiting": oldest}
+
+
+def server(sctx):
+    """A-BSP server program."""
+    shard = Shard(sctx)
+    empty = torch.empty(0)
+    while True:
+        total, count, finish, told, pushed = torch.zeros_like(shard.params), 0, False, False, set()
+        while len(pushed) < len(sctx.workers):
+            m = yield Recv(PUSH)
+            vote, whole, samples = unpack(m.aux, 1, 1, 32)
+            total.add_(m.tensor)
+            count += samples
+            finish |= bool(vote)
+            pushed.add(m.src)
+            shard.seen(0)
+            if whole and not told:  # the first whole assignment ends the iteration
+                told = True
+                for w in sctx.workers:
+                    if w not in pushed:
+                        yield Send(empty, w, STOP, shard.version)
+        shard.apply(total.div_(count))
+        for w in sctx.workers:
+            yield from shard.reply(w, finish)
+        if finish:
+            return shard.facts()
+
+
+def summarise(reports: list[dict]) -> dict:
+    """Staleness, and over the workers: the mean fraction handed in, the oldest waiting sample."""
+    workers = [r for r in reports if r["role"] == "worker"]
+    return {
+        **paramserver.summarise(reports),
+        "handed_in": round(sum(r["handed_in"] for r in workers) / len(workers), 4),
+        "oldest_waiting": max(r["oldest_waiting"] for r in workers),
+    }

@@ -1,0 +1,139 @@
+"""What the parameter-server strategies share: shards, push and pull, the server's shard.
+
+S servers each own a contiguous, size-balanced shard of the flat parameter vector (tensors kept
+whole where the balance allows, as Ako's partitions are). A worker pushes each server the slice
+of its gradient that server owns and pulls back the server's parameters; a server keeps its
+shard's optimizer state (momentum buffer) and applies the updates (DESIGN.md, "Parameter-server
+models"). The workers hold no optimizer state of their own, except under `easgd`, whose workers
+run local SGD.
+
+Messages: a push carries the worker's clock in `step` and, in `aux`, a few small integers
+packed by `pack` (the stop vote, the version the gradient was computed on, sample counts).
+A pull reply carries the server's version (updates applied so far) in `step` and, in `aux`,
+1 when the worker must finish.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ako.config import ConfigError
+from ako.replica import FlatSGD, OptimizerConfig
+from ako.strategies.ops import Compute, Recv, Send
+from ako.strategies.partition import partition_bounds
+
+PUSH, PULL, STOP = 10, 11, 12  # gradient shards; parameter shards; A-BSP's "stop now"
+
+
+def shards(numel: int, boundaries: list[int], servers: int) -> list[tuple[int, int]]:
+    """The [lo, hi) ranges of the flat vector (numel,) that each of `servers` servers owns."""
+    return partition_bounds(numel, servers, boundaries)
+
+
+def check(config, numel: int) -> None:
+    """Raise ConfigError when there are more servers than parameters."""
+    if config.servers is not None and config.servers > numel:
+        raise ConfigError(f"servers {config.servers}: must be at most the model's parameter count {numel}")
+
+
+def pack(*fields: tuple[int, int]) -> int:
+    """Pack (value, bits) pairs into one non-negative integer, first field lowest."""
+    out, shift = 0, 0
+    for value, bits in fields:
+        assert 0 <= value < 1 << bits, (value, bits)
+        out |= value << shift
+        shift += bits
+    return out
+
+
+def unpack(word: int, *bits: int) -> list[int]:
+    """The fields `pack` packed, given their widths."""
+    out = []
+    for b in bits:
+        out.append(word & ((1 << b) - 1))
+        word >>= b
+    return out
+
+
+def push(ctx, vector: torch.Tensor, step: int, aux: int):
+    """Send each server its slice of `vector` (numel,) (copied: the caller may reuse it)."""
+    for server, (lo, hi) in zip(ctx.servers, _bounds(ctx)):
+        yield Send(vector[lo:hi].clone(), server, PUSH, step, aux)
+
+
+def pull(ctx, into: torch.Tensor):
+    """Receive every server's shard into `into` (numel,). Returns (version, finish): the
+    lowest version any server reported, and whether any told this worker to finish."""
+    version, finish = None, False
+    for server, (lo, hi) in zip(ctx.servers, _bounds(ctx)):
+        reply = yield Recv(PULL, server)
+        into[lo:hi].copy_(reply.tensor)
+        version = reply.step if version is None else min(version, reply.step)
+        finish = finish or bool(reply.aux)
+    return version, finish
+
+
+def _bounds(ctx) -> list[tuple[int, int]]:
+    return shards(ctx.replica.numel, ctx.replica.boundaries, len(ctx.servers))
+
+
+class Shard:
+    """A server's shard: `params` (hi - lo,) is a view of the server's replica vector, stepped
+    by the server's own optimizer; `version` counts the updates applied; staleness (in
+    updates) of the gradients applied is tallied for the summary."""
+
+    def __init__(self, sctx):
+        c = sctx.config
+        self.lo, self.hi = shards(sctx.replica.numel, sctx.replica.boundaries, len(sctx.servers))[sctx.index]
+        self.params = sctx.replica.params[self.lo : self.hi]
+        self.optimizer = FlatSGD(self.params, OptimizerConfig(c.lr, c.momentum, c.nesterov, c.weight_decay))
+        self.version = 0
+        self.staleness_sum = self.staleness_count = self.staleness_max = 0
+
+    def apply(self, grad: torch.Tensor) -> None:
+        """One optimizer step with `grad` (hi - lo,)."""
+        self.optimizer.step(grad)
+        self.version += 1
+
+    def seen(self, staleness: int) -> None:
+        """Tally the staleness of one gradient applied."""
+        self.staleness_sum += staleness
+        self.staleness_count += 1
+        self.staleness_max = max(self.staleness_max, staleness)
+
+    def reply(self, worker: int, finish: bool):
+        """Send `worker` this shard's current parameters and whether it must finish."""
+        yield Send(self.params.clone(), worker, PULL, self.version, int(finish))
+
+    def facts(self) -> dict:
+        return {
+            "updates": self.version,
+            "staleness_sum": self.staleness_sum,
+            "staleness_count": self.staleness_count,
+            "staleness_max": self.staleness_max,
+        }
+
+
+def summarise(reports: list[dict]) -> dict:
+    """Mean and maximum staleness of the applied gradients, over every server's tally."""
+    servers = [r for r in reports if r["role"] == "server"]
+    count = sum(r["staleness_count"] for r in servers)
+    return {
+        "staleness_mean": round(sum(r["staleness_sum"] for r in servers) / count, 4) if count else None,
+        "staleness_max": max((r["staleness_max"] for r in servers), default=None),
+    }
+
+
+def gradient_worker(ctx):
+    """The worker of bsp, ssp and asp: compute a gradient with the parameters last pulled, push
+    it (with the worker's clock, the version it was computed on and its stop vote), pull the
+    parameters the server releases, until a server says finish."""
+    version, clock = 0, 0
+    while True:
+        g = yield Compute()
+        vote = int(ctx.stopping)
+        yield from push(ctx, g.grad, step=clock, aux=pack((vote, 1), (version, 40)))
+        version, finish = yield from pull(ctx, ctx.replica.params)
+        clock += 1
+        if finish:
+            return {"steps": clock}

@@ -1,0 +1,157 @@
+"""The parameter-server strategies on the real distributed runtime: equivalences, A-BSP's
+partial processing, SSP's bound, EASGD's elastic term."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+import torch
+
+import ako
+from ako.data import ShardSampler, fetch, load_dataset
+from ako.models import build_model
+from ako.replica import OptimizerConfig, Replica
+from ako.strategies import STRATEGIES, paramserver
+from ako.strategies.ops import Compute, ComputePartial, Recv, Send
+from helpers import recorded, single_process_sgd, small_config
+
+
+def final_params(result):
+    return [w.params for w in result.workers]
+
+
+@pytest.fixture(scope="module")
+def bsp_reference(tmp_path_factory):
+    return ako.train(small_config(tmp_path_factory.mktemp("bsp"), strategy="bsp"))
+
+
+def test_bsp_equals_allreduce(tmp_path, bsp_reference):
+    allreduce = ako.train(small_config(tmp_path, strategy="allreduce"))
+    assert bsp_reference.summary["iterations"] == 6
+    assert bsp_reference.summary["staleness_max"] == 0
+    for params in final_params(bsp_reference):
+        torch.testing.assert_close(params, allreduce.workers[0].params, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(strategy="ssp", staleness=0),
+        dict(strategy="absp", micro_batch=16),  # no straggler, whole assignments
+        dict(strategy="bsp", servers=2),
+    ],
+    ids=["ssp-s0", "absp", "bsp-2-servers"],
+)
+def test_equals_bsp(tmp_path, bsp_reference, overrides):
+    result = ako.train(small_config(tmp_path, **overrides))
+    for params in final_params(result):
+        torch.testing.assert_close(params, bsp_reference.workers[0].params, rtol=0, atol=1e-5)
+
+
+def _record_absp(op, result, log):
+    if isinstance(op, ComputePartial):
+        log.setdefault("assignments", []).append(result.indices.clone())
+        log.setdefault("processed", []).append(result.samples)
+        log.setdefault("sums", []).append(result.grad_sum.clone())
+    elif isinstance(op, Recv) and op.tag == paramserver.PULL:
+        log.setdefault("pulled", []).append(result.tensor.clone())
+
+
+RECORDED_ABSP = dataclasses.replace(STRATEGIES["absp"], worker=recorded(STRATEGIES["absp"].worker, _record_absp))
+
+
+def test_absp_uses_skipped_samples_within_two_iterations_and_applies_sum_over_count(tmp_path):
+    lr = 0.05
+    config = small_config(
+        tmp_path, strategy="absp", batch_size=48, micro_batch=16, epochs=2.0, straggler=("rank=1,factor=4",),
+        lr=lr, momentum=0.0, weight_decay=0.0,
+    )  # fmt: skip
+    result = ako.train(config, strategy=RECORDED_ABSP)
+    logs = [w.facts for w in result.workers]
+    iterations = len(logs[0]["processed"])
+    assert iterations == result.summary["iterations"] == 8
+    straggler = logs[1]
+    assert min(straggler["processed"]) < 48, "the straggler was never cut short"
+    assert result.summary["handed_in"] < 1.0
+    # every sample the straggler skipped is processed within the next two iterations
+    used_at = {}
+    for t, (assigned, done) in enumerate(zip(straggler["assignments"], straggler["processed"])):
+        for i in assigned[:done].tolist():
+            assert i not in used_at, f"sample {i} processed twice"
+            used_at[i] = t
+    for t, (assigned, done) in enumerate(zip(straggler["assignments"], straggler["processed"])):
+        if t + 2 < iterations:
+            for i in assigned[done:].tolist():
+                assert t < used_at.get(i, 10**9) <= t + 2, f"sample {i} skipped at {t}, used at {used_at.get(i)}"
+    # each update is sum / count of what was handed in (plain SGD: w' = w - lr * sum / count)
+    before = single_process_sgd(config, steps=0).double()  # the initial parameters
+    for t in range(iterations):
+        total = sum(log["sums"][t].double() for log in logs)
+        count = sum(log["processed"][t] for log in logs)
+        after = logs[0]["pulled"][t].double()
+        torch.testing.assert_close(after, before - lr * total / count, rtol=0, atol=1e-5)
+        before = after
+
+
+def _record_clocks(op, result, log):
+    if isinstance(op, Compute):
+        log.setdefault("starts", []).append(time.monotonic())
+    elif isinstance(op, Send) and op.tag == paramserver.PUSH:
+        pushes = log.setdefault("pushes", [])
+        if len(pushes) == op.step:  # the first server's push of this clock
+            pushes.append(time.monotonic())
+
+
+RECORDED_SSP = dataclasses.replace(STRATEGIES["ssp"], worker=recorded(STRATEGIES["ssp"].worker, _record_clocks))
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_ssp_no_worker_runs_more_than_s_clocks_ahead(tmp_path, staleness):
+    config = small_config(tmp_path, strategy="ssp", staleness=staleness, epochs=1.0, straggler=("rank=1,factor=4",))
+    result = ako.train(config, strategy=RECORDED_SSP)
+    logs = [w.facts for w in result.workers]
+    ahead = 0
+    for w, log in enumerate(logs):
+        for c, start in enumerate(log["starts"]):
+            for v, other in enumerate(logs):
+                done = sum(1 for t in other["pushes"] if t <= start)
+                if v != w:
+                    assert done >= c - staleness, f"worker {w} started clock {c} while worker {v} had pushed {done}"
+                    ahead = max(ahead, c - done)
+    assert ahead == staleness, "the straggler never made the bound bite"
+    assert result.summary["staleness_max"] <= staleness
+
+
+def test_easgd_with_alpha_zero_is_local_sgd(tmp_path):
+    config = small_config(tmp_path, strategy="easgd", beta=0.0, tau=2)
+    result = ako.train(config)
+    assert result.summary["centre_accuracy"] is not None
+    for rank, worker in enumerate(result.workers):
+        expected = single_process_sgd(config, 6, ranks=[rank])
+        torch.testing.assert_close(worker.params, expected, rtol=0, atol=1e-5)
+
+
+def test_easgd_elastic_updates_match_the_paper_on_one_worker(tmp_path):
+    """One worker (so the order of exchanges is fixed), two servers: after each local SGD step,
+    d = alpha (w - x); x += d; w -= d, with alpha = beta / n (Zhang et al. 2015, Algorithm 1)."""
+    config = small_config(tmp_path, strategy="easgd", workers=1, servers=2, beta=0.5, tau=2, epochs=0.25)
+    result = ako.train(config)
+    split = load_dataset(config.dataset, config.data_dir, config.train_samples, config.test_samples)
+    torch.manual_seed(config.seed)
+    optim = OptimizerConfig(config.lr, config.momentum, config.nesterov, config.weight_decay)
+    replica = Replica(build_model(config.model, split.input_shape, split.num_classes), optim)
+    centre = replica.params.clone()
+    sampler = ShardSampler(len(split.train), 0, 1, config.batch_size, config.seed)
+    steps = result.summary["iterations"]
+    assert steps == 6
+    for t in range(1, steps + 1):
+        replica.compute_gradient(*fetch(split.train, sampler.batch(t - 1)))
+        replica.step(replica.grad.clone())
+        if t % config.tau == 0 or t == steps:
+            d = config.beta * (replica.params - centre)
+            centre += d
+            replica.params.sub_(d)
+    torch.testing.assert_close(result.workers[0].params, replica.params, rtol=0, atol=1e-5)
+    torch.testing.assert_close(result.workers[0].facts["centre"], centre, rtol=0, atol=1e-5)
