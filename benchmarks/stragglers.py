@@ -4,7 +4,9 @@ time to 85% test accuracy, iterations and samples/s per strategy, and the ratio 
 
     .venv/bin/python benchmarks/stragglers.py [--factor 3] [--repeats 1] [--strategies bsp,absp]
 
-Each run stops at 85% (evaluated every 0.1 epoch, clock paused) or after --epochs.
+Each run trains --epochs; rank 0 snapshots its replica every 0.1 epoch and the snapshots are
+evaluated after training. (Stopping at the target would need evaluations during training, which
+pause rank 0 while the other workers of the asynchronous strategies train on: that flatters them.)
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ VARIANTS = {
 def run(strategy: str, args) -> dict:
     config = ako.TrainConfig(
         strategy=strategy, workers=args.workers, dataset="fashion-mnist", model="cnn",
-        epochs=args.epochs, eval_every=0.1, target_accuracy=0.85, progress=False, out_dir=args.out_dir,
+        epochs=args.epochs, eval_every=0.1, progress=False, out_dir=args.out_dir,
         straggler=(f"rank=1,factor={args.factor:g}",) if args.factor > 1 else (), **VARIANTS[strategy],
     )  # fmt: skip
     return ako.train(config).summary
@@ -38,7 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--factor", type=float, default=3.0)
-    parser.add_argument("--epochs", type=float, default=3.0)
+    parser.add_argument("--epochs", type=float, default=1.5)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--strategies", default=",".join(VARIANTS))
     parser.add_argument("--out-dir", default="runs/benchmarks")

@@ -65,6 +65,24 @@ BAD_INPUT = [
     (["--backend", "nccl"], "backend 'nccl' needs CUDA"),
     (["--config", ""], "config file '' not found"),
     (["--out-dir", "/dev/null/runs"], "out_dir '/dev/null/runs': cannot make it (Not a directory)"),
+    (["--strategy", "allreduce", "--servers", "2"], "servers '2': strategy allreduce has no such option (it is for bsp, asp"),
+    (["--strategy", "bsp", "--servers", "0"], "servers '0': must be an integer >= 1 and <= 1024"),
+    (["--strategy", "bsp", "--servers", "30000"], "servers '30000': must be an integer >= 1 and <= 1024"),
+    (["--strategy", "bsp", "--staleness", "1"], "staleness '1': strategy bsp has no such option (it is for ako, ssp)"),
+    (["--strategy", "ssp", "--staleness", "-1"], "staleness '-1': must be an integer >= 0"),
+    (["--strategy", "absp", "--micro-batch", "0"], "micro_batch '0': must be an integer >= 1"),
+    (["--strategy", "absp", "--micro-batch", "65"], "micro_batch 65: must be at most batch_size 64"),
+    (["--strategy", "bsp", "--micro-batch", "8"], "micro_batch '8': strategy bsp has no such option (it is for absp)"),
+    (["--strategy", "easgd", "--tau", "0"], "tau '0': must be an integer >= 1"),
+    (["--strategy", "easgd", "--beta", "1.5"], "beta '1.5': must be a number >= 0 and <= 1"),
+    (["--strategy", "asp", "--tau", "2"], "tau '2': strategy asp has no such option (it is for easgd)"),
+    (["--straggler", "rank=1"], "straggler 'rank=1': expected rank=R,factor=K or prob=P,factor=K"),
+    (["--straggler", "rank=1,prob=0.5,factor=2"], "straggler 'rank=1,prob=0.5,factor=2': expected rank=R,factor=K"),
+    (["--straggler", "rank=x,factor=2"], "straggler 'rank=x,factor=2': expected rank=R,factor=K"),
+    (["--straggler", "rank=2,factor=3"], "straggler 'rank=2,factor=3': rank must be a worker, in [0, 2)"),
+    (["--straggler", "rank=1,factor=0.5"], "straggler 'rank=1,factor=0.5': factor must be a number >= 1 and <= 1000"),
+    (["--straggler", "prob=1.5,factor=2"], "straggler 'prob=1.5,factor=2': prob must be in [0, 1]"),
+    (["--straggler", "rank=1,factor=nan"], "straggler 'rank=1,factor=nan': factor must be a number >= 1"),
 ]
 
 
@@ -115,6 +133,25 @@ def test_bad_toml_value_and_syntax(tmp_path, out_dir, capsys):
     path.write_text("workers = \n")
     code, err = run_cli(["--config", str(path)], out_dir, capsys)
     assert code == 2 and "run.toml" in err and err.count("\n") == 1
+    path.write_text("straggler = 3\n")
+    assert run_cli(["--config", str(path)], out_dir, capsys) == (
+        2,
+        "ako: error: straggler 3: must be a list of texts like 'rank=1,factor=3'\n",
+    )
+
+
+def test_stragglers_from_a_config_file_and_flags(tmp_path):
+    from ako.cli import build_parser, config_from_args
+
+    path = tmp_path / "run.toml"
+    path.write_text('strategy = "absp"\nworkers = 4\nstraggler = ["rank=3, factor=2.5", "prob=0.1,factor=2"]\n')
+    config = config_from_args(build_parser().parse_args(["train", "--config", str(path)]))
+    assert config.straggler == ("rank=3,factor=2.5", "prob=0.1,factor=2")
+    assert (config.servers, config.micro_batch) == (1, 16)
+    flags = ["train", "--strategy", "ssp", "--straggler", "rank=1,factor=3", "--straggler", "prob=0.5,factor=2"]
+    config = config_from_args(build_parser().parse_args(flags))
+    assert config.straggler == ("rank=1,factor=3", "prob=0.5,factor=2")
+    assert config.staleness == 2
 
 
 def test_flags_override_the_config_file(tmp_path):

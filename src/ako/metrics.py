@@ -84,11 +84,13 @@ def format_summary(s: dict) -> str:
     tta = _milestone_text(s["time_to_accuracy"])
     lines = [
         f"ako {s['strategy']}: {s['workers']} worker{'s' if s['workers'] > 1 else ''}, {s['model']} on "
-        f"{s['dataset']}, {s['epochs']:.2f} epochs in {s['train_seconds']:.1f} s of training{paused}",
+        f"{s['dataset']}, {s['epochs']:.2f} epochs ({s['iterations']} iterations) in {s['train_seconds']:.1f} s "
+        f"of training{paused}",
         f"  test accuracy    {acc}",
         f"  time to accuracy {tta}" + ("" if target is None else f"  (target {target:.0%})"),
         *_decentralised_lines(s),
-        f"  throughput       {s['samples_per_second']:.0f} samples/s",
+        f"  throughput       {s['samples_per_second']:.0f} samples/s; samples per worker "
+        + " / ".join(str(w["samples"]) for w in s["per_worker"]),
         f"  sent per worker  {s['bytes_sent_per_worker_per_second'] / 1e6:.2f} MB/s "
         f"(received {s['bytes_received_per_worker_per_second'] / 1e6:.2f} MB/s)",
     ]
@@ -100,9 +102,10 @@ def format_summary(s: dict) -> str:
     if s.get("staleness_mean") is not None:
         lines.append(f"  staleness        mean {s['staleness_mean']:.2f}, max {s['staleness_max']} (server updates)")
     if s.get("handed_in") is not None:
+        each = " / ".join(f"{w['handed_in']:.0%}" for w in s["per_worker"])
         lines.append(
-            f"  absp             {s['handed_in']:.0%} of assigned samples handed in per iteration; "
-            f"oldest waiting sample {s['oldest_waiting']} iterations"
+            f"  absp             handed in per iteration {each} of the assignment (mean {s['handed_in']:.0%}); "
+            f"oldest waiting sample {s['oldest_waiting']} iterations old"
         )
     if s.get("lost_ranks"):
         lines.append(f"  lost             worker rank{'s' if len(s['lost_ranks']) > 1 else ''} {', '.join(map(str, s['lost_ranks']))} died; the others carried on")

@@ -38,6 +38,8 @@ from ako.strategies.ops import Message, PeerLost
 STOP, CLOSE, PROBE, REPORT, FINAL, PULL, SNAPSHOT, REPLICA = -1, -2, -3, -4, -5, -6, -7, -8
 _HEADER_TAG, _PAYLOAD_TAG = 1, 2
 _FOREVER = timedelta(days=365)
+_SETTLE_AFTER = 0.5  # seconds after which a send to a live peer has been taken
+_MAX_PENDING = 256
 _DTYPES = [torch.float32, torch.float64, torch.int64, torch.float16, torch.bfloat16, torch.uint8]
 
 
@@ -67,7 +69,7 @@ class Mailbox:
         self.lost: dict[int, str] = {}
         self.told: set[int] = set()  # losses already reported to a tolerant program
         self.cond = threading.Condition()
-        self.pending: list[_Send] = []
+        self.pending: deque[_Send] = deque()  # sends in flight, oldest first
         self.send_lock = threading.Lock()  # the main thread and the receive threads send
         self.published: tuple[torch.Tensor, int] | None = None  # (snapshot, step)
         self.unanswered: list[int] = []  # peers that pulled before the first publish
@@ -86,12 +88,12 @@ class Mailbox:
         seconds (stuck): unsent messages would otherwise pile up without bound. With
         `drop_lost`, sends to a peer that is gone are dropped instead.
         """
+        # Settle outside the lock: its waits could otherwise stall this worker's receive threads,
+        # which need the lock to answer pulls, and two workers pulling from each other could
+        # each wait for the other's thread. Only this (the program's) thread takes from the
+        # left of `pending`; receive threads append on the right (deque operations are atomic).
+        self._settle(drop_lost)
         with self.send_lock:
-            now = time.monotonic()
-            self.pending = [p for p in self.pending if not p.work.is_completed() and not (drop_lost and p.dst in self.lost)]
-            for p in self.pending:
-                if now - p.posted > self.timeout:
-                    raise PeerLost(p.dst, f"took no message for {self.timeout:g} s (stuck, or far too slow)")
             try:
                 self._post(tensor, dst, tag, step, aux)
             except RuntimeError as e:
@@ -134,6 +136,27 @@ class Mailbox:
             except RuntimeError:  # the requester is gone: its receive thread here records that
                 pass
 
+    def _settle(self, drop_lost: bool) -> None:
+        """Wait for the sends posted more than `_SETTLE_AFTER` s ago (a live peer's receive
+        thread has taken them long since), and for the oldest while more than `_MAX_PENDING`
+        are in flight. A Gloo send's work reports completion only once waited on, so waiting
+        is the only way to free its tensors; the wait is bounded by the group's timeout.
+        Raises PeerLost for a peer that is gone or took nothing for `timeout` s (unless
+        `drop_lost`, for a peer that is gone)."""
+        now = time.monotonic()
+        while self.pending and (now - self.pending[0].posted > _SETTLE_AFTER or len(self.pending) > _MAX_PENDING):
+            p = self.pending.popleft()
+            if drop_lost and p.dst in self.lost:
+                continue
+            try:
+                p.work.wait()
+            except RuntimeError as e:
+                if drop_lost and p.dst in self.lost:
+                    continue
+                stuck = "timed out" in str(e).lower() or "timeout" in str(e).lower()
+                reason = f"took no message for {self.timeout:g} s (stuck, or far too slow)" if stuck else comm_error(e)
+                raise PeerLost(p.dst, reason) from None
+
     def get(self, tag: int, src: int | None, timeout: float, tolerant: bool = False) -> Message:
         """Wait up to `timeout` seconds for the next message with `tag` (from `src`, or any).
 
@@ -175,12 +198,12 @@ class Mailbox:
         deadline = time.monotonic() + timeout
         for thread in self.threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        with self.send_lock:
+        with self.send_lock:  # receive threads may still append answers
             pending = list(self.pending)
         for p in pending:
-            if not p.work.is_completed() and p.dst not in self.lost:
+            if p.dst not in self.lost:
                 p.work.wait(timedelta(seconds=max(0.1, deadline - time.monotonic())))
-        self.pending = []
+        self.pending.clear()
 
     def _take(self, tag: int, src: int | None) -> Message | None:
         queue = self.queues.get(tag)

@@ -80,13 +80,17 @@ def _bounds(ctx) -> list[tuple[int, int]]:
 class Shard:
     """A server's shard: `params` (hi - lo,) is a view of the server's replica vector, stepped
     by the server's own optimizer; `version` counts the updates applied; staleness (in
-    updates) of the gradients applied is tallied for the summary."""
+    updates) of the gradients applied is tallied for the summary. `per_push`: how many
+    updates make one iteration (n when each push is applied on its own), which divides the
+    weight decay."""
 
-    def __init__(self, sctx):
+    def __init__(self, sctx, per_push: int = 1):
         c = sctx.config
         self.lo, self.hi = shards(sctx.replica.numel, sctx.replica.boundaries, len(sctx.servers))[sctx.index]
         self.params = sctx.replica.params[self.lo : self.hi]
-        self.optimizer = FlatSGD(self.params, OptimizerConfig(c.lr, c.momentum, c.nesterov, c.weight_decay))
+        # `per_push` updates make one iteration's worth: weight decay is shared among them
+        optim = OptimizerConfig(c.lr, c.momentum, c.nesterov, c.weight_decay / per_push)
+        self.optimizer = FlatSGD(self.params, optim)
         self.version = 0
         self.staleness_sum = self.staleness_count = self.staleness_max = 0
 

@@ -1,0 +1,63 @@
+"""SSP and ASP parameter servers: Stale Synchronous Parallel (Ho et al., "More effective
+distributed ML via a stale synchronous parallel parameter server", NIPS 2013), and its unbounded
+case, Asynchronous Parallel (as in DistBelief's Downpour SGD).
+
+Workers run `paramserver.gradient_worker`: compute, push, pull. The server applies each pushed
+gradient at once, as its own optimizer step with g / n and weight decay / n (so that n pushes
+move the parameters as far as one BSP step of the mean: `lr` and `weight_decay` mean the same
+for every strategy; momentum acts per update), so a pull returns every update that has
+arrived. Each worker has a clock (its pushes so far); a worker that has pushed clock c may
+start c + 1 only once the slowest running worker has pushed clock c - s, so it has seen every
+update of clocks <= c - s - 1, Ho et al.'s guarantee. `asp` has no bound: the reply is at once.
+With s = 0 and plain SGD, SSP equals BSP; with momentum it differs, as the server takes n
+momentum steps per clock where BSP takes one.
+
+Each worker finishes on its own vote (its epochs done, the time budget spent, the target
+reached) and stops counting towards the bound; it gets its final parameters when every worker
+has finished, so all end with the same model, every update in. A worker that dies is dropped (the run goes on
+only for `asp`: the launcher ends an `ssp` run at once). Staleness of a gradient: updates
+applied between the version it was computed on and its own.
+"""
+
+from __future__ import annotations
+
+from ako.strategies.ops import PeerLost, Recv
+from ako.strategies.paramserver import PUSH, Shard, unpack
+
+
+def ssp_server(sctx):
+    """SSP server program, with the bound `--staleness`."""
+    return (yield from server(sctx, sctx.config.staleness))
+
+
+def asp_server(sctx):
+    """ASP server program: SSP with no bound."""
+    return (yield from server(sctx, None))
+
+
+def server(sctx, bound: int | None):
+    """The server program for staleness bound `bound` (None: none)."""
+    n = len(sctx.workers)
+    shard = Shard(sctx, per_push=n)
+    clock = {w: 0 for w in sctx.workers}  # clocks pushed by the running workers
+    held: dict[int, tuple[int, bool]] = {}  # worker -> (clock it pushed, finishing) awaiting a reply
+    while clock or held:
+        try:
+            m = yield Recv(PUSH)
+        except PeerLost as lost:  # a dead worker: carry on without it
+            clock.pop(lost.rank, None)
+            held.pop(lost.rank, None)
+        else:
+            vote, version = unpack(m.aux, 1, 40)
+            shard.seen(shard.version - version)
+            shard.apply(m.tensor.div_(n))
+            clock[m.src] = m.step + 1
+            if vote:
+                del clock[m.src]
+            held[m.src] = (m.step, bool(vote))
+        slowest = min(clock.values(), default=None)
+        for worker, (c, finish) in list(held.items()):
+            if slowest is None or (not finish and (bound is None or slowest >= c + 1 - bound)):
+                del held[worker]
+                yield from shard.reply(worker, finish)
+    return shard.facts()
