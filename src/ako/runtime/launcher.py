@@ -42,11 +42,9 @@ def under_elastic_agent() -> bool:
 
 def worker_entry(job: Job) -> WorkerResult:
     """The function each launched process runs: a one-line report and exit status 1 on an
-    expected failure (set AKO_DEBUG=1 for the traceback), 130 on Ctrl-C."""
+    expected failure (set AKO_DEBUG=1 for the traceback)."""
     try:
         return _numpy(run_worker(job))
-    except KeyboardInterrupt:  # the launcher reports it once, for every worker
-        _exit_now(130)
     except EXPECTED_FAILURES as e:
         if os.environ.get("AKO_DEBUG"):
             raise
@@ -143,7 +141,8 @@ class _Group:
     def start(self, context, fn, args, rank: int, env: dict) -> None:
         receiver, sender = context.Pipe(duplex=False)
         proc = context.Process(target=_child, args=(fn, args, env, sender), name=f"ako-rank{rank}")
-        proc.start()
+        with _sigint_ignored():  # inherited: Ctrl-C while the child imports torch stays quiet
+            proc.start()
         sender.close()
         self.procs[rank], self.pipes[rank] = proc, receiver
 
@@ -163,8 +162,6 @@ class _Group:
                 running.discard(rank)
                 if code == 0 and rank in self.results:
                     continue
-                if code in (130, -signal.SIGINT):
-                    raise KeyboardInterrupt(f"{role(rank)} rank {rank} was interrupted")
                 lost[rank] = _exit_status(code) if code else "exited without a result"
                 if rank not in survivable:
                     raise WorkerFailed(f"{role(rank)} rank {rank} failed: {lost[rank]}")
@@ -189,9 +186,11 @@ class _Group:
 
 
 def _child(fn, args, env: dict, pipe) -> None:
-    """A launched process: die with the launcher, take the environment, run, send the result."""
+    """A launched process: die with the launcher, leave Ctrl-C to it (it stops every process
+    at once, and only it reports), take the environment, run, send the result."""
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(env)
     pipe.send(fn(*args))
     pipe.close()
@@ -199,6 +198,19 @@ def _child(fn, args, env: dict, pipe) -> None:
 
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
+
+
+@contextmanager
+def _sigint_ignored():
+    """SIGINT ignored in this block (main thread only; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @contextmanager
