@@ -9,9 +9,9 @@ from ako import TrainConfig
 from ako.data import ShardSampler, fetch, load_dataset
 from ako.models import build_model
 from ako.replica import OptimizerConfig, Replica
-from ako.strategies import Strategy
+from ako.strategies import Strategy, gossip
 from ako.strategies import ako as ako_strategy
-from ako.strategies.ops import Compute
+from ako.strategies.ops import Compute, Publish, Pull
 
 
 def small_config(tmp_path, **overrides) -> TrainConfig:
@@ -92,6 +92,57 @@ class DigitsAsList(torch.utils.data.Dataset):
 def digits_cnn() -> torch.nn.Module:
     """A user's model factory: here the registry's cnn for 8x8 digits."""
     return build_model("cnn", (1, 8, 8), 10)
+
+
+def _perturbed_lr0(ctx):
+    """Gossip with learning rate 0 from replicas made different on purpose (noise of std 0.05
+    seeded by the rank), so that only the averaging moves them. Facts add the initial replica."""
+    for group in ctx.replica.optimizer.optimizer.param_groups:  # FlatSGD wraps torch SGD
+        group["lr"] = 0.0
+    noise = torch.randn(ctx.replica.numel, generator=torch.Generator().manual_seed(1000 + ctx.rank))
+    ctx.replica.params.add_(noise, alpha=0.05)
+    initial = ctx.replica.params.clone()
+    facts = yield from gossip.worker(ctx)
+    return {**facts, "initial": initial}
+
+
+GOSSIP_LR0 = Strategy("gossip", _perturbed_lr0, decentralised=True, survives_loss=True)
+
+
+class _Star:
+    """Peer selection where every worker pulls from rank 0, and rank 0 from rank 1."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def next(self, round_: int, lost) -> int:
+        return 1 if self.rank == 0 else 0
+
+
+def _star_pull(ctx):
+    return (yield from gossip.pull(ctx, _Star(ctx.rank)))
+
+
+STAR_PULL = Strategy("gossip", _star_pull, decentralised=True, survives_loss=True)
+
+
+def _late_publisher(ctx):
+    """Rank 1 pulls from rank 0 at once; rank 0 trains 3 steps before its first publish, so
+    the pull must wait for it. Facts: what rank 1 got, and what rank 0 published."""
+    if ctx.rank == 0:
+        for _ in range(3):
+            g = yield Compute()
+            ctx.replica.step(g.grad)
+        published = ctx.replica.params.clone()
+        yield Publish(published, 7)
+        yield from gossip.handshake(ctx)
+        return {"published": published}
+    snapshot = yield Pull(0)
+    yield from gossip.handshake(ctx)
+    return {"pulled": snapshot.tensor, "pulled_step": snapshot.step}
+
+
+LATE_PUBLISHER = Strategy("gossip", _late_publisher, decentralised=True, survives_loss=True)
 
 
 class recorded:

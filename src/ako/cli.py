@@ -46,8 +46,10 @@ _FLAGS = {
     ),
     "servers": ("bsp, asp, ssp, absp, easgd: parameter-server processes beside the workers (default 1)", {}),
     "micro_batch": ("absp: samples per interruptible micro-batch (default batch-size / 4)", {}),
-    "tau": ("easgd: steps between elastic averaging rounds", {}),
+    "tau": ("easgd: steps between elastic averaging rounds; gossip: steps between gossip rounds", {}),
     "beta": ("easgd: moving rate beta; elastic alpha = beta / workers", {}),
+    "gossip": ("gossip: pull (average with a peer's snapshot) or push-sum", {}),
+    "peers": ("gossip: random (uniform) or rotating (one partner per round, hypercube order)", {}),
     "straggler": (
         "slow a worker: rank=R,factor=K (always) or prob=P,factor=K (any worker, per step); repeatable",
         {"action": "append"},

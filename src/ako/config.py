@@ -22,7 +22,7 @@ from ako.data.datasets import DATASETS
 from ako.models import MODELS
 
 PARAMETER_SERVER = ("bsp", "asp", "ssp", "absp", "easgd")
-STRATEGIES = ("ako", "allreduce", *PARAMETER_SERVER)
+STRATEGIES = ("ako", "allreduce", "gossip", *PARAMETER_SERVER)
 # settings that only some strategies use, with their defaults: setting one for another
 # strategy is a mistake worth an error
 STRATEGY_OPTIONS = {
@@ -31,12 +31,16 @@ STRATEGY_OPTIONS = {
     "bandwidth": (None, ("ako",)),
     "servers": (None, PARAMETER_SERVER),
     "micro_batch": (None, ("absp",)),
-    "tau": (1, ("easgd",)),
+    "tau": (1, ("easgd", "gossip")),
+    "gossip": ("pull", ("gossip",)),
+    "peers": ("random", ("gossip",)),
     "beta": (0.9, ("easgd",)),
 }
 # settings only the simulated runtime takes (`ako train` rejects them)
 SIMULATE_OPTIONS = ("latency", "seconds_per_sample", "profile")
 SSP_STALENESS = 2  # ssp's bound when none is given
+GOSSIP_MODES = ("pull", "push-sum")
+PEER_SELECTIONS = ("random", "rotating")
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -69,8 +73,10 @@ class TrainConfig:
     bandwidth: str | None = None  # link budget, e.g. "1Gbit" or "50MB"; measured when None (simulate: every link's rate, free when None)
     servers: int | None = None  # parameter-server strategies: server processes (default 1)
     micro_batch: int | None = None  # absp: samples per interruptible micro-batch (default batch_size // 4)
-    tau: int = 1  # easgd: steps between elastic averaging rounds
+    tau: int = 1  # easgd: steps between elastic averaging rounds; gossip: steps between gossip rounds
     beta: float = 0.9  # easgd: moving rate; elastic alpha = beta / workers
+    gossip: str = "pull"  # gossip: "pull" (average with a peer's snapshot) or "push-sum"
+    peers: str = "random"  # gossip: peer selection, "random" or "rotating"
     straggler: tuple[str, ...] = ()  # e.g. ("rank=1,factor=3", "prob=0.1,factor=2"); see ako.cluster
     timeout: float = 60.0  # seconds any wait may take before the run fails
     seed: int = 0
@@ -177,6 +183,8 @@ def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
     _choice("model", c.model, MODELS)
     _choice("data set", c.dataset, DATASETS)
     _choice("backend", c.backend, BACKENDS)
+    _choice("gossip", c.gossip, GOSSIP_MODES)
+    _choice("peers", c.peers, PEER_SELECTIONS)
     if c.backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is false here: use gloo")
     for name, (default, users) in STRATEGY_OPTIONS.items():

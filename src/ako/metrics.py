@@ -59,15 +59,16 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
 
 
-def time_to_accuracy(records: list[dict], target: float) -> float | None:
-    """Training seconds at the first evaluation with test accuracy >= target, or None."""
-    return next((r["time"] for r in records if r["test_accuracy"] >= target), None)
+def time_to_accuracy(records: list[dict], target: float, key: str = "test_accuracy") -> float | None:
+    """Training seconds at the first evaluation whose `key` (rank 0's test accuracy, or
+    "average_accuracy": the replicas' average's) is >= target, or None."""
+    return next((r["time"] for r in records if (r.get(key) or 0.0) >= target), None)
 
 
-def milestones(records: list[dict], target: float | None) -> dict[str, float | None]:
+def milestones(records: list[dict], target: float | None, key: str = "test_accuracy") -> dict[str, float | None]:
     """Time to each standard accuracy milestone and to the run's target, keyed "0.85" etc."""
     levels = sorted(set(ACCURACY_MILESTONES) | ({target} if target else set()))
-    return {f"{a:g}": time_to_accuracy(records, a) for a in levels}
+    return {f"{a:g}": time_to_accuracy(records, a, key) for a in levels}
 
 
 def format_summary(s: dict) -> str:
@@ -80,15 +81,14 @@ def format_summary(s: dict) -> str:
     target = s.get("target_accuracy")
     evaluating = s["wall_seconds"] - s["train_seconds"]
     paused = f" (+ {evaluating:.1f} s evaluating)" if evaluating >= 0.05 else ""
-    tta = ", ".join(
-        f"{float(k):.0%}: {'not reached' if v is None else f'{v:.1f} s'}" for k, v in s["time_to_accuracy"].items()
-    )
+    tta = _milestone_text(s["time_to_accuracy"])
     lines = [
         f"ako {s['strategy']}: {s['workers']} worker{'s' if s['workers'] > 1 else ''}, {s['model']} on "
         f"{s['dataset']}, {s['epochs']:.2f} epochs ({s['iterations']} iterations) in {s['train_seconds']:.1f} s "
         f"of training{paused}",
         f"  test accuracy    {acc}",
         f"  time to accuracy {tta}" + ("" if target is None else f"  (target {target:.0%})"),
+        *_decentralised_lines(s),
         f"  throughput       {s['samples_per_second']:.0f} samples/s; samples per worker "
         + " / ".join(str(w["samples"]) for w in s["per_worker"]),
         f"  sent per worker  {s['bytes_sent_per_worker_per_second'] / 1e6:.2f} MB/s "
@@ -114,6 +114,25 @@ def format_summary(s: dict) -> str:
     if s.get("run_dir"):
         lines.append(f"  run directory    {s['run_dir']}")
     return "\n".join(lines)
+
+
+def _milestone_text(times: dict) -> str:
+    return ", ".join(f"{float(k):.0%}: {'not reached' if v is None else f'{v:.1f} s'}" for k, v in times.items())
+
+
+def _decentralised_lines(s: dict) -> list[str]:
+    """The average's time to accuracy, the final consensus distance, gossip's settings."""
+    lines = []
+    if s.get("average_time_to_accuracy"):
+        lines.append(f"  average reaches  {_milestone_text(s['average_time_to_accuracy'])}")
+    if s.get("consensus_distance") is not None:
+        lines.append(
+            f"  consensus        {s['consensus_distance']:.3g} at the end "
+            "(mean distance of the replicas to their average, relative to its norm)"
+        )
+    if "gossip" in s:
+        lines.append(f"  gossip           {s['gossip']}, {s['peers']} peers, tau = {s['tau']}; {s['rounds']} rounds on rank 0")
+    return lines
 
 
 def write_summary(run_dir: Path, summary: dict) -> None:
@@ -171,6 +190,9 @@ def build_summary(
         ),
         "per_worker": workers,
     }
+    if average is not None:
+        summary["average_time_to_accuracy"] = milestones(records, config.target_accuracy, "average_accuracy")
+        summary["consensus_distance"] = final.get("consensus_distance")
     if servers:
         summary["per_server"] = [
             {**r, "bytes_in_per_second": round(r["bytes_received"] / seconds), "bytes_out_per_second": round(r["bytes_sent"] / seconds)}

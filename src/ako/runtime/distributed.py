@@ -24,8 +24,9 @@ import torch.distributed as dist
 from ako.config import ConfigError, to_toml
 from ako.data import fetch
 from ako.metrics import MetricsLog, build_summary, create_run_dir, format_summary, write_atomic, write_summary
+from ako.runtime.consensus import MailboxReplicas
 from ako.runtime.job import Job
-from ako.runtime.mailbox import FINAL, PROBE, REPORT, STOP, Mailbox, comm_error
+from ako.runtime.mailbox import FINAL, PROBE, PULL, REPORT, SNAPSHOT, STOP, Mailbox, comm_error
 from ako.runtime.worker import Clock, WorkerState
 from ako.strategies import ServerContext, WorkerContext
 from ako.strategies.ops import (
@@ -40,8 +41,11 @@ from ako.strategies.ops import (
     PartialGradient,
     PeerLost,
     Poll,
+    Publish,
+    Pull,
     Recv,
     Send,
+    Snapshot,
 )
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -142,6 +146,11 @@ class DistributedRuntime:
                 with self.mailbox.cond:
                     self.mailbox.told.update(self.mailbox.lost)
                     return frozenset(self.mailbox.lost)
+            case Publish(tensor, step):
+                self.mailbox.publish(tensor.detach().to("cpu", copy=True), step)
+                return None
+            case Pull(src):
+                return self.pull(src)
             case AllReduce(tensor, reduce):
                 return self.all_reduce(tensor, reduce)
             case Now():
@@ -151,6 +160,14 @@ class DistributedRuntime:
             case MeasureBandwidth():
                 return self.measure_bandwidth()
         raise TypeError(f"unknown operation {op!r}")
+
+    def pull(self, src: int) -> Snapshot:
+        """Request `src`'s published snapshot and wait for it (see `ops.Pull`)."""
+        if src in self.mailbox.lost:
+            raise PeerLost(src, self.mailbox.lost[src])
+        self.mailbox.send(torch.empty(0), src, PULL, drop_lost=self.survives_loss)
+        message = self.mailbox.get(SNAPSHOT, src, self.timeout)
+        return Snapshot(src, message.step, message.tensor.to(self.device))
 
     def compute(self) -> Gradient:
         """Forward and backward on the next mini-batch, slowed as the cluster says."""
@@ -266,9 +283,10 @@ class DistributedRuntime:
         reports, finals = [report], [] if params is None else [params.cpu()]
         for peer in self.mailbox.peers:
             try:
-                reports.append(_decode(self.mailbox.get(REPORT, peer, self.timeout).tensor))
-                if params is not None and reports[-1]["role"] == "worker":
+                report = _decode(self.mailbox.get(REPORT, peer, self.timeout).tensor)
+                if params is not None and report["role"] == "worker":
                     finals.append(self.mailbox.get(FINAL, peer, self.timeout).tensor)
+                reports.append(report)  # after its final: reports and finals stay in step
             except PeerLost:
                 if not self.survives_loss:
                     raise
@@ -372,8 +390,10 @@ def _train(job: Job, rank: int, world: int, device: torch.device) -> tuple[Worke
     log = MetricsLog(run_dir / "metrics.jsonl") if run_dir else None
     servers = list(range(n, world))
     if rank < n:
+        replicas = MailboxReplicas(runtime.mailbox, n) if strategy.decentralised else None
         state = WorkerState(
-            config, rank, n, data.train, data.test, replica, runtime.clock, log, runtime.bytes_moved, runtime.request_stop
+            config, rank, n, data.train, data.test, replica, runtime.clock, log, runtime.bytes_moved,
+            runtime.request_stop, replicas,
         )  # fmt: skip
         program, ctx = strategy.worker, WorkerContext(rank, n, replica, config, state.should_stop, servers)
     else:
@@ -388,8 +408,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device) -> tuple[Worke
     runtime.close()
     summary = None
     if rank == 0:
-        average = torch.stack(finals).mean(0).to(device) if finals else None
-        summary = _report(job, data, state, reports, average, facts.get("centre"), sorted(runtime.mailbox.lost), run_dir)
+        summary = _report(job, data, state, reports, finals, facts.get("centre"), sorted(runtime.mailbox.lost), run_dir)
     return WorkerResult(rank, replica.params.cpu().clone(), facts, summary), bool(runtime.mailbox.lost)
 
 
@@ -401,12 +420,18 @@ def _open_run_dir(config, strategy: str, data) -> Path:
     return run_dir
 
 
-def _report(job: Job, data, state: WorkerState, reports: list[dict], average, centre, lost: list[int], run_dir: Path) -> dict:
-    """Rank 0, after training: evaluate, write summary.json, print the summary. `average` is the
-    live workers' mean replica (decentralised strategies), `centre` the model a strategy with a
-    centre variable reports (a worker program's `centre` fact), each (numel,) or None."""
-    final = state.finish()
-    average_eval = None if average is None else state.replica.evaluate_params(average, data.test)
+def _report(job: Job, data, state: WorkerState, reports: list[dict], finals, centre, lost: list[int], run_dir: Path) -> dict:
+    """Rank 0, after training: evaluate, write summary.json, print the summary. `finals`: the
+    live workers' final replicas (decentralised strategies), in the order of their reports;
+    their average is weighted by each worker's `average_weight` fact when it has one. `centre`:
+    the model a strategy with a centre variable reports (a worker program's `centre` fact),
+    (numel,) or None."""
+    end = {}
+    if finals:
+        weights = [float(r.get("average_weight", 1.0)) for r in reports if r["role"] == "worker"]
+        end = state.consensus_record(finals, weights)
+    final = state.finish(end)
+    average_eval = (final["average_loss"], final["average_accuracy"]) if finals else None
     summary = build_summary(
         job.strategy.name, job.config, data.name, reports, state.log.records, final,
         average_eval, state.clock.now(), state.clock.wall(),

@@ -8,7 +8,16 @@ that dies breaks its connection, its thread records that at once, and any wait o
 with `PeerLost` naming the rank (an any-source `recv` would not notice a dead peer).
 A live peer may be silent for as long as it likes: the waits for messages have the timeouts. Negative
 tags are the runtime's own: STOP (the target accuracy was reached), CLOSE (the peer is done),
-PROBE (bandwidth probe), REPORT and FINAL (end-of-run counts and parameters for rank 0).
+PROBE (bandwidth probe), REPORT and FINAL (end-of-run counts and parameters for rank 0),
+PULL and SNAPSHOT (a request for this worker's published snapshot, and the answer), REPLICA
+(a copy of a replica for rank 0's consensus measurement).
+
+Published snapshots: `publish` makes a tensor the one this worker serves. The receive thread
+that reads a peer's PULL answers it at once with the latest snapshot (or, before the first
+`publish`, at that publish), so the publisher's training never stops to answer, and any number
+of peers may pull from each other at the same time without waiting on one another's programs.
+Sends come from the receive threads too, so sending is serialised by a lock: a message's header
+and payload must not interleave with another's.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ import torch.distributed as dist
 
 from ako.strategies.ops import Message, PeerLost
 
-STOP, CLOSE, PROBE, REPORT, FINAL = -1, -2, -3, -4, -5
+STOP, CLOSE, PROBE, REPORT, FINAL, PULL, SNAPSHOT, REPLICA = -1, -2, -3, -4, -5, -6, -7, -8
 _HEADER_TAG, _PAYLOAD_TAG = 1, 2
 _FOREVER = timedelta(days=365)
 _SETTLE_AFTER = 0.5  # seconds after which a send to a live peer has been taken
@@ -49,7 +58,8 @@ class Mailbox:
 
     `group` is a process group used only for these messages, so their tags can never collide
     with the collectives' internal tags. Counters: `bytes_sent` and `bytes_received` count
-    the payloads of strategy messages (tags >= 0); headers (40 bytes a message) are left out.
+    the payloads of strategy messages (tags >= 0) and of snapshots served to pulls; headers
+    (40 bytes a message) are left out.
     """
 
     def __init__(self, rank: int, peers: list[int], group, timeout: float, on_stop: Callable[[], None]):
@@ -60,6 +70,9 @@ class Mailbox:
         self.told: set[int] = set()  # losses already reported to a tolerant program
         self.cond = threading.Condition()
         self.pending: deque[_Send] = deque()  # sends in flight, oldest first
+        self.send_lock = threading.Lock()  # the main thread and the receive threads send
+        self.published: tuple[torch.Tensor, int] | None = None  # (snapshot, step)
+        self.unanswered: list[int] = []  # peers that pulled before the first publish
         self.bytes_sent = self.bytes_received = 0
         self.threads = [
             threading.Thread(target=self._receive, args=(peer,), name=f"ako-recv-{peer}", daemon=True)
@@ -75,20 +88,53 @@ class Mailbox:
         seconds (stuck): unsent messages would otherwise pile up without bound. With
         `drop_lost`, sends to a peer that is gone are dropped instead.
         """
-        header = torch.tensor([tag, step, aux, tensor.numel(), _DTYPES.index(tensor.dtype)], dtype=torch.int64)
-        try:
-            works = [dist.isend(header, dst, group=self.group, tag=_HEADER_TAG)]
-            if tensor.numel():
-                works.append(dist.isend(tensor, dst, group=self.group, tag=_PAYLOAD_TAG))
-        except RuntimeError as e:
-            if drop_lost:
-                return
-            raise PeerLost(dst, comm_error(e)) from None
+        # Settle outside the lock: its waits could otherwise stall this worker's receive threads,
+        # which need the lock to answer pulls, and two workers pulling from each other could
+        # each wait for the other's thread. Only this (the program's) thread takes from the
+        # left of `pending`; receive threads append on the right (deque operations are atomic).
         self._settle(drop_lost)
+        with self.send_lock:
+            try:
+                self._post(tensor, dst, tag, step, aux)
+            except RuntimeError as e:
+                if not drop_lost:
+                    raise PeerLost(dst, comm_error(e)) from None
+
+    def publish(self, tensor: torch.Tensor, step: int) -> None:
+        """Make `tensor` (flat, CPU, never modified afterwards) the snapshot served to peers'
+        PULL requests, with `step` in the answer's header; answer the pulls that came first."""
+        snapshot = (tensor, step)
+        with self.cond:
+            self.published, waiting, self.unanswered = snapshot, self.unanswered, []
+        for peer in waiting:
+            self._answer(peer, snapshot)
+
+    def _post(self, tensor: torch.Tensor, dst: int, tag: int, step: int, aux: int) -> None:
+        """isend the header and payload (caller holds `send_lock`). Raises RuntimeError."""
+        header = torch.tensor([tag, step, aux, tensor.numel(), _DTYPES.index(tensor.dtype)], dtype=torch.int64)
+        works = [dist.isend(header, dst, group=self.group, tag=_HEADER_TAG)]
+        if tensor.numel():
+            works.append(dist.isend(tensor, dst, group=self.group, tag=_PAYLOAD_TAG))
         now = time.monotonic()
         self.pending.extend(_Send(w, (header, tensor), dst, now) for w in works)
-        if tag >= 0:  # the runtime's own messages are not training traffic
+        if _is_traffic(tag):
             self.bytes_sent += tensor.numel() * tensor.element_size()
+
+    def _serve(self, peer: int) -> None:
+        """A PULL from `peer` (receive thread): answer with the latest snapshot, or queue it."""
+        with self.cond:
+            snapshot = self.published
+            if snapshot is None:
+                self.unanswered.append(peer)
+                return
+        self._answer(peer, snapshot)
+
+    def _answer(self, peer: int, snapshot: tuple[torch.Tensor, int]) -> None:
+        with self.send_lock:
+            try:
+                self._post(snapshot[0], peer, SNAPSHOT, snapshot[1], 0)
+            except RuntimeError:  # the requester is gone: its receive thread here records that
+                pass
 
     def _settle(self, drop_lost: bool) -> None:
         """Wait for the sends posted more than `_SETTLE_AFTER` s ago (a live peer's receive
@@ -152,7 +198,9 @@ class Mailbox:
         deadline = time.monotonic() + timeout
         for thread in self.threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        for p in self.pending:
+        with self.send_lock:  # receive threads may still append answers
+            pending = list(self.pending)
+        for p in pending:
             if p.dst not in self.lost:
                 p.work.wait(timedelta(seconds=max(0.1, deadline - time.monotonic())))
         self.pending.clear()
@@ -196,8 +244,11 @@ class Mailbox:
                 if tag == STOP:
                     self.on_stop()
                     continue
+                if tag == PULL:
+                    self._serve(peer)
+                    continue
                 with self.cond:
-                    if tag >= 0:
+                    if _is_traffic(tag):
                         self.bytes_received += payload.numel() * payload.element_size()
                     self.queues.setdefault(tag, deque()).append(Message(peer, tag, step, aux, payload))
                     self.cond.notify_all()
@@ -205,6 +256,12 @@ class Mailbox:
             with self.cond:
                 self.lost[peer] = comm_error(e)
                 self.cond.notify_all()
+
+
+def _is_traffic(tag: int) -> bool:
+    """Strategy messages and served snapshots count as training traffic; the rest is the
+    runtime's own bookkeeping."""
+    return tag >= 0 or tag == SNAPSHOT
 
 
 def _receive(tensor: torch.Tensor, src: int, group, tag: int) -> None:

@@ -48,9 +48,14 @@ from ako.strategies.ops import (
     Now,
     PartialGradient,
     Poll,
+    Publish,
+    Pull,
     Recv,
     Send,
+    Snapshot,
 )
+
+_SNAPSHOT = -10  # tag of the answers to `Pull`, the runtime's own
 
 
 class SimClock:
@@ -106,6 +111,8 @@ class Node:
     idle_seconds: float = 0.0
     communication_seconds: float = 0.0
     facts: dict | None = None
+    snapshot: tuple[torch.Tensor, int] | None = None  # the last `Publish`: (params, step)
+    pullers: list[int] = field(default_factory=list)  # pulls that arrived before any Publish
 
     def take(self, tag: int, src: int | None = None) -> Envelope | None:
         """The first delivered message with `tag` (from `src`, or anyone), removed; or None."""
@@ -184,6 +191,14 @@ class SimulatedRuntime:
                 return (yield from self.all_reduce(node, tensor, reduce))
             case Now():
                 return self.env.now
+            case Publish(tensor, step):
+                node.snapshot = (tensor.detach().clone(), step)
+                for puller in node.pullers:
+                    self._answer_pull(node, puller)
+                node.pullers.clear()
+                return None
+            case Pull(src):
+                return (yield from self.pull(node, src))
             case Lost():
                 return frozenset()
             case MeasureStep():
@@ -248,6 +263,25 @@ class SimulatedRuntime:
                 event.succeed(envelope)
                 return
         node.inbox.setdefault(m.tag, []).append(envelope)
+
+    def pull(self, node: Node, src: int):
+        """`ops.Pull`: a request (an empty message) to `src`, answered on arrival with the
+        snapshot `src` has published by then (or at its first publish), as one message back."""
+        arrival = self.network.transmit(self.env.now, node.rank, src, 0)
+        self.env.timeout(arrival - self.env.now).callbacks.append(lambda _: self._request_arrived(src, node.rank))
+        m = yield from self.receive(node, _SNAPSHOT, src)
+        return Snapshot(src, m.step, m.tensor.clone())
+
+    def _request_arrived(self, src: int, puller: int) -> None:
+        node = self.nodes[src]
+        if node.snapshot is None:
+            node.pullers.append(puller)
+        else:
+            self._answer_pull(node, puller)
+
+    def _answer_pull(self, node: Node, puller: int) -> None:
+        tensor, step = node.snapshot
+        self.send(node.rank, puller, Message(node.rank, _SNAPSHOT, step, 0, tensor))
 
     def receive(self, node: Node, tag: int, src: int | None):
         """The next message with `tag` (from `src` or anyone), waiting for it if need be."""
@@ -373,8 +407,8 @@ def simulate_job(job: Job, costs: Costs) -> tuple[dict, list[WorkerResult]]:
     end = env.now
     reports = [runtime.report(rank, end) for rank in range(world)]
     facts = runtime.nodes[0].facts
-    average = torch.stack([r.params for r in replicas[:n]]).mean(0) if strategy.decentralised else None
-    summary = _report(job, data, runtime.nodes[0].state, reports, average, facts.get("centre"), [], run_dir)
+    finals = [r.params for r in replicas[:n]] if strategy.decentralised else []
+    summary = _report(job, data, runtime.nodes[0].state, reports, finals, facts.get("centre"), [], run_dir)
     summary["simulation"] = _simulation_facts(runtime, costs, reports, end, time.perf_counter() - started)
     write_summary(run_dir, summary)
     print(format_simulation(summary["simulation"]), flush=True)

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -16,7 +17,7 @@ from ako.config import TrainConfig
 from ako.data import ShardSampler, fetch
 from ako.metrics import MetricsLog
 from ako.replica import Replica
-
+from ako.runtime.consensus import ReplicaExchange, consensus_distance
 
 _SNAPSHOT_BYTES = 256 << 20
 
@@ -53,6 +54,19 @@ class Clock:
                 self.paused += time.perf_counter() - t
 
 
+@dataclass
+class _Snapshot:
+    """Rank 0's replica (numel,) at evaluation point `point` (None: the end of training) and
+    its record, until it is logged; `accuracy` once evaluated; `extra` fields for the record
+    known beforehand (the end's consensus)."""
+
+    record: dict
+    params: torch.Tensor
+    point: int | None
+    accuracy: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
 class WorkerState:
     """Where a worker is in its shard, and whether it should stop.
 
@@ -61,6 +75,10 @@ class WorkerState:
     test set (clock paused), and reaching the target calls `on_target` (which tells the other
     workers) and makes `should_stop` true. Without one, snapshots are evaluated after training,
     so evaluation never slows training down.
+
+    With `consensus` (decentralised strategies), every worker hands rank 0 a copy of its
+    replica at the same steps, and rank 0's records also hold the consensus distance of the
+    replicas and the test loss and accuracy of their average (see `ako.runtime.consensus`).
     """
 
     def __init__(
@@ -75,8 +93,10 @@ class WorkerState:
         log: MetricsLog | None,
         traffic: Callable[[], tuple[int, int]],
         on_target: Callable[[], None],
+        consensus: ReplicaExchange | None = None,
     ):
         self.config, self.rank, self.world_size = config, rank, world_size
+        self.consensus = consensus
         self.train_set, self.test_set, self.replica = train_set, test_set, replica
         self.clock, self.log, self.traffic, self.on_target = clock, log, traffic, on_target
         self.sampler = ShardSampler(len(train_set), rank, world_size, config.batch_size, config.seed)
@@ -92,7 +112,7 @@ class WorkerState:
         self.waiting = torch.empty(0, dtype=torch.int64)
         self.waiting_since = torch.empty(0, dtype=torch.int64)
         self.taken = 0
-        self.snapshots: list[tuple[dict, torch.Tensor]] = []  # awaiting evaluation
+        self.snapshots: list[_Snapshot] = []  # awaiting evaluation or logging, oldest first
         self.bar = None
         if rank == 0:
             tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock: a killed worker would leak it
@@ -130,8 +150,15 @@ class WorkerState:
         return 0 if len(self.waiting) == 0 else int(self.step - self.waiting_since.min())
 
     def _before_step(self) -> None:
-        if self.log is not None and self.step % self.eval_steps == 0:
-            self.snapshot()
+        if self.step % self.eval_steps == 0:
+            if self.log is not None:
+                self.snapshot()
+            elif self.consensus is not None:
+                with self.clock.pause():  # a measurement, not training
+                    self.consensus.report_replica(self.step // self.eval_steps, self.replica.params)
+        if self.snapshots and self.snapshots[0].accuracy is not None:  # evaluated, awaiting the others' replicas
+            with self.clock.pause():
+                self._log_ready(final=False)
 
     def computed(self, loss: float) -> None:
         """Called after each gradient: moves the progress bar (rank 0)."""
@@ -161,10 +188,13 @@ class WorkerState:
 
     def snapshot(self) -> None:
         """Record rank 0's replica and progress now, for evaluation now (with a target, or when
-        the snapshots waiting would take more than 256 MB) or after training."""
-        self.snapshots.append((self._progress_record(), self.replica.params.clone()))
+        the snapshots waiting, and the peers' replicas for them, would take more than 256 MB)
+        or after training."""
+        point = self.step // self.eval_steps
+        self.snapshots.append(_Snapshot(self._progress_record(), self.replica.params.clone(), point))
         target = self.config.target_accuracy
-        if target is None and len(self.snapshots) * self.replica.grad_bytes <= _SNAPSHOT_BYTES:
+        copies = self.world_size if self.consensus is not None else 1
+        if target is None and len(self.snapshots) * copies * self.replica.grad_bytes <= _SNAPSHOT_BYTES:
             return
         with self.clock.pause():
             accuracy = self.evaluate_snapshots()
@@ -172,22 +202,51 @@ class WorkerState:
             self.stop_requested = True
             self.on_target()
 
-    def evaluate_snapshots(self) -> float:
-        """Evaluate and log the snapshots not yet evaluated; returns the last accuracy."""
+    def evaluate_snapshots(self, final: bool = False) -> float:
+        """Evaluate the snapshots not yet evaluated and log, oldest first, those whose
+        consensus is known (all of them when `final`); returns the last accuracy."""
         accuracy = 0.0
-        for record, params in self.snapshots:
-            loss, accuracy = self.replica.evaluate_params(params, self.test_set)
-            self.log.append({**record, "test_loss": round(loss, 5), "test_accuracy": round(accuracy, 5)})
-        self.snapshots = []
+        for s in self.snapshots:
+            if s.accuracy is None:
+                loss, s.accuracy = self.replica.evaluate_params(s.params, self.test_set)
+                s.record.update(test_loss=round(loss, 5), test_accuracy=round(s.accuracy, 5))
+            accuracy = s.accuracy
+        self._log_ready(final)
         if self.bar is not None:
             self.bar.set_postfix(acc=f"{accuracy:.4f}", epoch=f"{self.epoch:.2f}")
         return accuracy
 
-    def finish(self) -> dict:
-        """After training (clock stopped): evaluate the remaining snapshots and the final
-        replica; returns the final record."""
+    def _log_ready(self, final: bool) -> None:
+        """Log the evaluated snapshots at the head of the line whose point every live worker
+        has reported (when `final`, with whatever was reported)."""
+        while self.snapshots and self.snapshots[0].accuracy is not None:
+            s = self.snapshots[0]
+            if self.consensus is not None and s.point is not None:
+                others = self.consensus.peer_replicas(s.point, final)
+                if others is None:
+                    return
+                s.record.update(self.consensus_record([s.params, *others]))
+            self.log.append({**s.record, **s.extra})
+            self.snapshots.pop(0)
+
+    def consensus_record(self, replicas: list[torch.Tensor], weights: list[float] | None = None) -> dict:
+        """How many replicas, their consensus distance, and the test loss and accuracy of their
+        (weighted) average: the fields a decentralised strategy's records add."""
+        stacked = torch.stack([r.to(self.replica.params.device) for r in replicas])
+        distance, average = consensus_distance(stacked, weights)
+        loss, accuracy = self.replica.evaluate_params(average, self.test_set)
+        return {
+            "replicas": len(replicas),
+            "consensus_distance": float(f"{distance:.4g}"),
+            "average_loss": round(loss, 5),
+            "average_accuracy": round(accuracy, 5),
+        }
+
+    def finish(self, final_fields: dict | None = None) -> dict:
+        """After training (clock stopped): evaluate and log the remaining snapshots and the
+        final replica, whose record gets `final_fields` as well; returns the final record."""
         if self.bar is not None:
             self.bar.close()
-        self.snapshots.append((self._progress_record(), self.replica.params.clone()))
-        self.evaluate_snapshots()
+        self.snapshots.append(_Snapshot(self._progress_record(), self.replica.params.clone(), None, extra=final_fields or {}))
+        self.evaluate_snapshots(final=True)
         return self.log.records[-1]

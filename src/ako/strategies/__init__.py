@@ -4,7 +4,7 @@
 program sees of its runtime besides the operations it yields.
 """
 
-from ako.strategies import absp, ako, allreduce, bsp, easgd, paramserver, ssp
+from ako.strategies import absp, ako, allreduce, bsp, easgd, gossip, paramserver, ssp
 from ako.strategies.base import ServerContext, Strategy, WorkerContext
 
 
@@ -15,6 +15,7 @@ def _server_strategy(name, worker, server, summarise=paramserver.summarise, **kw
 STRATEGIES: dict[str, Strategy] = {
     "allreduce": Strategy("allreduce", allreduce.worker, decentralised=False),
     "ako": Strategy("ako", ako.worker, decentralised=True, check=ako.check),
+    "gossip": Strategy("gossip", gossip.worker, decentralised=True, survives_loss=True),
     "bsp": _server_strategy("bsp", paramserver.gradient_worker, bsp.server),
     "ssp": _server_strategy("ssp", paramserver.gradient_worker, ssp.ssp_server),
     "asp": _server_strategy("asp", paramserver.gradient_worker, ssp.asp_server, survives_loss=True),

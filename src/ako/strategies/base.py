@@ -58,7 +58,9 @@ class ServerContext:
 class Strategy:
     """A named worker program, and a server program for parameter-server strategies. Each
     returns a dict of facts; scalar facts reach the run summary (per rank in `per_worker`).
-    `decentralised`: replicas may differ, so the summary also evaluates their average.
+    `decentralised`: replicas may differ, so the records and summary also hold their consensus
+    distance and the accuracy of their average (weighted by each worker's `average_weight`
+    fact, when its program returns one: push-sum gossip).
     `survives_loss`: the run carries on when a worker other than rank 0 dies.
     `check(config, numel)` raises ConfigError for options the model cannot take (before any
     process starts). `summarise(per_rank)` adds strategy-specific totals to the summary."""

@@ -5,6 +5,10 @@ results, like a SimPy process. The distributed runtime carries them out on torch
 simulated runtime carries out the same math and charges their time from a cost model. Anything
 that costs time or crosses the network is an operation; updating the replica is plain tensor code.
 
+An operation that meets a dead peer raises `PeerLost` inside the program, at the `yield`: the
+program may catch it, and if it does not, the worker fails with it. Other errors (a timeout)
+fail the worker.
+
 Tensors handed to `Send` and `AllReduce` are flat, contiguous float32 vectors. After a `Send`
 the runtime owns the tensor until it is delivered: the program must not modify it (send a clone
 of a buffer it keeps using). A received tensor may be modified in place only when its sender
@@ -108,6 +112,42 @@ class Poll:
     Raises `PeerLost` when a peer is gone, unless the strategy survives losses."""
 
     tag: int
+
+
+@dataclass(frozen=True)
+class Publish:
+    """Make a copy of `tensor` (flat, float32, (numel,)) this worker's published snapshot,
+    replacing the previous one; `step` travels with it. The runtime answers peers' `Pull`s
+    with the latest snapshot by itself, while this program goes on training: publishing never
+    waits, and being pulled from costs the program nothing. Result: None.
+
+    Distributed runtime: a receive thread answers each pull request with an `isend`. A
+    simulated runtime: the snapshot current when a request arrives, charged as one message."""
+
+    tensor: torch.Tensor
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class Pull:
+    """Ask worker `src` for its latest published snapshot and wait for the answer, up to the
+    run's timeout. A request that reaches `src` before its first `Publish` is answered at that
+    publish. `src` answers as long as its program runs (a strategy that pulls ends with a
+    handshake, so that no peer pulls from a worker that has finished). Result: `Snapshot`.
+    Raises `PeerLost` when `src` is dead or dies before answering; the worker fails with
+    TimeoutError when `src` does not answer within the timeout."""
+
+    src: int
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Result of `Pull`: `tensor` (numel,) is a copy of worker `src`'s parameters as it
+    published them after its step `step`; the program may keep and modify it."""
+
+    src: int
+    step: int
+    tensor: torch.Tensor
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,82 @@
+"""Consensus distance: how far apart the replicas of a decentralised strategy are.
+
+How it is measured over time (distributed runtime). Evaluation point k is every worker's step
+k x E (E = `eval_every` epochs in steps, the same on every worker: shards are equal), the
+step at which rank 0 takes its evaluation snapshot. At that point every other worker sends a
+copy of its replica to rank 0 through the mailbox, on a runtime tag that does not count as
+training traffic, with its clock paused for the copy (about a millisecond); it never waits for
+anything. Rank 0 files the copies. When it evaluates its snapshot of point k (after training,
+or at once with a target accuracy), it also computes the consensus distance of the replicas
+at point k and the test accuracy of their average, as soon as every live worker's copy of
+point k is in: after training they all are; during training the record waits in line (clock
+paused while it is computed) and metrics.jsonl gets it a few steps later. A worker that is
+dead, or stopped before step k x E (`--max-time`), is left out of point k; the record says
+how many replicas it holds. Replicas at one point are at the same step, not the same instant:
+asynchronous workers reach it at different times.
+
+At the end the workers' final replicas (which rank 0 receives anyway) give the last point;
+there push-sum's replicas are averaged with their weights (`average_weight`), at evaluation
+points with equal weights (the weights are the strategy's own).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ako.runtime.mailbox import REPLICA, Mailbox
+
+
+def consensus_distance(replicas: torch.Tensor, weights: list[float] | None = None) -> tuple[float, torch.Tensor]:
+    """Mean L2 distance of the replicas to their average, relative to the average's norm:
+    (1/k) sum_i ||w_i - w_avg|| / ||w_avg||, with w_avg the mean of the replicas (weighted by
+    `weights`, k floats > 0 in total, when given).
+
+    replicas: (k, numel), k >= 1. Returns (distance, a dimensionless float >= 0, NaN when
+    the average is all zeros; w_avg (numel,), in the replicas' dtype). Computed in float64,
+    so that identical replicas are at distance exactly 0. Raises ValueError when the weights
+    sum to 0."""
+    k = replicas.shape[0]
+    w = torch.ones(k, dtype=torch.float64) if weights is None else torch.tensor(weights, dtype=torch.float64)
+    if not w.sum() > 0:
+        raise ValueError(f"weights {weights}: must sum to more than 0")
+    exact = replicas.double()
+    average = (w.to(exact.device) @ exact) / w.sum().item()
+    norm = average.norm().item()
+    spread = (exact - average).norm(dim=1).mean().item()
+    return (spread / norm if norm > 0 else float("nan")), average.to(replicas.dtype)
+
+
+class ReplicaExchange(Protocol):
+    """What `WorkerState` needs from a runtime to measure consensus at evaluation points."""
+
+    def report_replica(self, point: int, params: torch.Tensor) -> None:
+        """A worker other than rank 0: hand rank 0 a copy of `params` at evaluation point `point`."""
+
+    def peer_replicas(self, point: int, final: bool) -> list[torch.Tensor] | None:
+        """Rank 0: the other workers' replicas at `point`, once every live worker's is in (or,
+        when `final`, whatever came); None while some are missing."""
+
+
+class MailboxReplicas:
+    """`ReplicaExchange` over the distributed runtime's mailbox (tag REPLICA, not training
+    traffic); `workers` is the number of workers (ranks 0 .. workers-1)."""
+
+    def __init__(self, mailbox: Mailbox, workers: int):
+        self.mailbox = mailbox
+        self.peers = list(range(1, workers))
+        self.copies: dict[int, dict[int, torch.Tensor]] = {}  # point -> rank -> replica
+
+    def report_replica(self, point: int, params: torch.Tensor) -> None:
+        # a measurement never fails a run: if rank 0 is gone, the run fails elsewhere
+        self.mailbox.send(params.detach().to("cpu", copy=True), 0, REPLICA, step=point, drop_lost=True)
+
+    def peer_replicas(self, point: int, final: bool) -> list[torch.Tensor] | None:
+        for message in self.mailbox.poll(REPLICA, tolerant=True):
+            self.copies.setdefault(message.step, {})[message.src] = message.tensor
+        got = self.copies.get(point, {})
+        missing = [p for p in self.peers if p not in got and p not in self.mailbox.lost]
+        if missing and not final:
+            return None
+        return [replica for _, replica in sorted(self.copies.pop(point, {}).items())]
