@@ -192,3 +192,14 @@ def test_ako_one_partition_lock_step_equals_allreduce(tmp_path):
     result = simulate(tmp_path, strategy="ako", partitions=1, staleness=0, **COSTS)
     for w in result.workers:
         torch.testing.assert_close(w.params, reference.workers[0].params, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["gossip-pull", "gossip-push-sum"])
+def test_gossip_runs_in_the_simulator_and_its_replicas_agree(tmp_path, strategy):
+    """Gossip joins the simulator unchanged: pull requests are answered with the snapshot
+    published by then, and the replicas end close to their average."""
+    kind = strategy.removeprefix("gossip-")
+    result = simulate(tmp_path, strategy="gossip", gossip=kind, workers=4, train_samples=768)
+    assert result.summary["consensus_distance"] < 0.05
+    averaged = torch.stack([w.params for w in result.workers]).mean(0)
+    assert result.summary["average_accuracy"] is not None and averaged.isfinite().all()
