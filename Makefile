@@ -25,6 +25,7 @@ test: $(STAMP) data
 benchmarks: $(STAMP) data
 	$(PY) benchmarks/ddp_vs_allreduce.py
 	$(PY) benchmarks/main_job.py
+	$(PY) benchmarks/stragglers.py
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
