@@ -122,7 +122,7 @@ def _record_clocks(op, result, log):
 RECORDED_SSP = dataclasses.replace(STRATEGIES["ssp"], worker=recorded(STRATEGIES["ssp"].worker, _record_clocks))
 
 
-@pytest.mark.parametrize("staleness", [1, 2])
+@pytest.mark.parametrize("staleness", [2])
 def test_ssp_no_worker_runs_more_than_s_clocks_ahead(tmp_path, staleness):
     config = small_config(tmp_path, strategy="ssp", staleness=staleness, epochs=1.0, straggler=("rank=1,factor=4",))
     result = ako.train(config, strategy=RECORDED_SSP)
