@@ -3,6 +3,12 @@ the single-process SGD reference."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
 import torch
 
 from ako import TrainConfig
@@ -162,3 +168,46 @@ class recorded:
                 return {**(done.value or {}), **log}
             result = yield op
             self.record(op, result, log)
+
+
+def find_process(name: str, parent: int, deadline: float) -> int:
+    """PID of the child of `parent` named `name` (workers name themselves ako-rank<R>, servers
+    ako-server<R>), waiting for it."""
+    while time.monotonic() < deadline:
+        for comm in Path("/proc").glob("[0-9]*/comm"):
+            try:
+                ppid = int((comm.parent / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if ppid == parent and comm.read_text().strip() == name:
+                    return int(comm.parent.name)
+            except (OSError, ValueError, IndexError):
+                continue
+        time.sleep(0.1)
+    raise AssertionError(f"no process {name} appeared")
+
+
+def wait_for_metrics(out_dir: Path, deadline: float) -> None:
+    """Until rank 0 has logged its first evaluation: training has started."""
+    while time.monotonic() < deadline:
+        if any(p.stat().st_size > 0 for p in out_dir.glob("*/metrics.jsonl")):
+            return
+        time.sleep(0.1)
+    raise AssertionError("training did not start")
+
+
+def run_and_kill(cmd: list[str], victim: str, out_dir: Path, settle: float = 0.0, limit: float = 90.0):
+    """Start `cmd`, kill -9 its child process named `victim` once training has begun (and
+    `settle` seconds more); returns (exit status, stdout, stderr, seconds from kill to end)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        pid = find_process(victim, proc.pid, deadline)
+        wait_for_metrics(out_dir, deadline)
+        time.sleep(settle)
+        killed = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=limit)
+        elapsed = time.monotonic() - killed
+    finally:
+        proc.kill()
+        proc.wait()
+    return proc.returncode, out, err, elapsed

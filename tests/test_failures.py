@@ -4,38 +4,10 @@ asynchronous one carries on without the worker and reports it."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
-
-
-def find_process(name: str, parent: int, deadline: float) -> int:
-    """PID of the child of `parent` named `name` (workers name themselves ako-rank<R>, servers
-    ako-server<R>), waiting for it."""
-    while time.monotonic() < deadline:
-        for comm in Path("/proc").glob("[0-9]*/comm"):
-            try:
-                ppid = int((comm.parent / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                if ppid == parent and comm.read_text().strip() == name:
-                    return int(comm.parent.name)
-            except (OSError, ValueError, IndexError):
-                continue
-        time.sleep(0.1)
-    raise AssertionError(f"no process {name} appeared")
-
-
-def wait_for_metrics(out_dir: Path, deadline: float) -> None:
-    """Until rank 0 has logged its first evaluation: training has started."""
-    while time.monotonic() < deadline:
-        if any(p.stat().st_size > 0 for p in out_dir.glob("*/metrics.jsonl")):
-            return
-        time.sleep(0.1)
-    raise AssertionError("training did not start")
+from helpers import run_and_kill
 
 
 def start_and_kill(tmp_path, strategy: str, victim_name: str, *extra: str):
@@ -46,20 +18,8 @@ def start_and_kill(tmp_path, strategy: str, victim_name: str, *extra: str):
            "--dataset", "digits", "--epochs", "100000", "--eval-every", "1000",
            "--target-accuracy", "0.999",  # evaluates online: metrics show training has begun
            "--out-dir", str(out_dir), "--timeout", "60", *extra]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 90
-        victim = find_process(victim_name, proc.pid, deadline)
-        wait_for_metrics(out_dir, deadline)
-        time.sleep(1.0)
-        killed = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
-        out, err = proc.communicate(timeout=60)
-        elapsed = time.monotonic() - killed
-    finally:
-        proc.kill()
-        proc.wait()
-    return proc.returncode, err, out, elapsed
+    code, out, err, elapsed = run_and_kill(cmd, victim_name, out_dir, settle=1.0)
+    return code, err, out, elapsed
 
 
 # The launcher ends every job whose strategy does not survive losses the same way; one

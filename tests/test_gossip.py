@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
-from helpers import GOSSIP_LR0, LATE_PUBLISHER, STAR_PULL, small_config
-from test_failures import find_process, wait_for_metrics
+from helpers import GOSSIP_LR0, LATE_PUBLISHER, STAR_PULL, run_and_kill, small_config
 
 import ako
 from ako.cli import build_parser, config_from_args, main
@@ -221,19 +216,8 @@ def test_killed_worker_is_dropped_and_the_others_finish(tmp_path, mode):
     cmd = [sys.executable, "-m", "ako", "train", "--strategy", "gossip", "--gossip", mode, "--workers", "3",
            "--dataset", "digits", "--epochs", "200", "--eval-every", "10", "--target-accuracy", "1.0",
            "--out-dir", str(out_dir), "--timeout", "60", "--no-progress"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 90
-        victim = find_process("ako-rank2", proc.pid, deadline)
-        wait_for_metrics(out_dir, deadline)  # training has begun
-        killed = time.monotonic()
-        os.kill(victim, signal.SIGKILL)
-        out, err = proc.communicate(timeout=90)
-        elapsed = time.monotonic() - killed
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == 0, err
+    code, out, err, elapsed = run_and_kill(cmd, "ako-rank2", out_dir)
+    assert code == 0, err
     assert elapsed < 45, f"took {elapsed:.1f} s after the kill"
     assert "worker rank 2 died; the others carried on" in out, out
     summary = json.loads(next(out_dir.glob("*/summary.json")).read_text())
