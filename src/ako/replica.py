@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.optim.sgd import sgd
 
 from ako.data import fetch
 
@@ -34,23 +35,31 @@ class FlatSGD:
     `params` (numel,) may be a view, e.g. a parameter server's shard of a replica's vector:
     the optimizer state (momentum buffer, numel floats) lives wherever this object does.
     SGD is elementwise, so shards stepped separately equal the whole vector stepped at once.
+    The update is `torch.optim.SGD`'s own, through its functional form
+    (`torch.optim.sgd.sgd`): making a `torch.optim.SGD` imports torch._dynamo, which adds
+    2 s to the start of every worker process.
     """
 
     def __init__(self, params: torch.Tensor, optim: OptimizerConfig):
-        self.param = nn.Parameter(params, requires_grad=True)  # shares `params`' storage
-        self.optimizer = torch.optim.SGD(
-            [self.param],
-            lr=optim.lr,
-            momentum=optim.momentum,
-            nesterov=optim.nesterov and optim.momentum > 0,
-            weight_decay=optim.weight_decay,
-        )
+        self.params, self.optim = params, optim
+        self.momentum_buffer: torch.Tensor | None = None  # made by the first step with momentum
 
+    @torch.no_grad()
     def step(self, grad: torch.Tensor) -> None:
         """One optimizer step with `grad` (numel,) as the gradient."""
-        self.param.grad = grad
-        self.optimizer.step()
-        self.param.grad = None
+        o, buffers = self.optim, [self.momentum_buffer]
+        sgd([self.params], [grad], buffers, weight_decay=o.weight_decay, momentum=o.momentum, lr=o.lr,
+            dampening=0.0, nesterov=o.nesterov and o.momentum > 0, maximize=False)  # fmt: skip
+        self.momentum_buffer = buffers[0]
+
+    def state_dict(self) -> dict:
+        """The optimizer state, for a checkpoint: the momentum buffer (numel,) or None."""
+        buffer = self.momentum_buffer
+        return {"momentum_buffer": None if buffer is None else buffer.detach().cpu().clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        buffer = state["momentum_buffer"]
+        self.momentum_buffer = None if buffer is None else buffer.to(self.params.device, self.params.dtype)
 
 
 class Replica:
