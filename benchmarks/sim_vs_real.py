@@ -5,10 +5,12 @@ Configuration: 4 workers (+ 1 server for the parameter-server strategies), the c
 Fashion-MNIST, batch 64, worker 1 slowed by a factor of 3, `--epochs` epochs, rank 0's replica
 snapshotted every 0.1 epoch and evaluated after training (as benchmarks/stragglers.py does).
 
-Calibration: seconds per sample measured with one process per worker computing at the same
-time, one thread each, as the distributed runtime's workers do (on a machine with fewer cores
-than workers they share them); links: loopback as measured in ../shared/notes/engine-facts.md
-(send/recv about 1.9 GB/s, a 170 us round trip), unless --bandwidth/--latency say otherwise.
+Calibration: `ako calibrate --processes <workers>`, seconds per sample with 1..n processes
+computing at once, one thread each, as the distributed runtime's workers run; the simulator
+then models the workers sharing this machine's cores (`costs.SharedHost`), which matters here:
+4 workers share 2 cores, and the straggler's waits leave its core to the others. Links:
+loopback as measured in ../shared/notes/engine-facts.md (send/recv about 1.9 GB/s, a 170 us
+round trip), unless --bandwidth/--latency say otherwise.
 
     .venv/bin/python benchmarks/sim_vs_real.py [--strategies allreduce,ako,bsp] [--epochs 2]
 """
@@ -16,14 +18,11 @@ than workers they share them); links: loopback as measured in ../shared/notes/en
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import statistics
+from pathlib import Path
 
 import torch
 
 import ako
-from ako.runtime.calibrate import measure_seconds_per_sample
-from ako.runtime.job import Job
 
 VARIANTS = {
     "allreduce": {},
@@ -33,19 +32,8 @@ VARIANTS = {
     "asp": {},
     "absp": {},
     "easgd": {"tau": 4},
+    "gossip": {},
 }
-
-
-def _measure(config) -> float:
-    job = Job(config)
-    data = job.load_data()
-    return measure_seconds_per_sample(job, data, torch.device("cpu"), repeats=30)
-
-
-def calibrate_concurrently(config, processes: int) -> float:
-    """Median over `processes` processes measuring at the same time (seconds per sample)."""
-    with mp.get_context("spawn").Pool(processes) as pool:
-        return statistics.median(pool.map(_measure, [config] * processes))
 
 
 def config_for(strategy: str, args, **extra) -> ako.TrainConfig:
@@ -67,14 +55,15 @@ def main() -> None:
     parser.add_argument("--out-dir", default="runs/sim_vs_real")
     args = parser.parse_args()
     strategies = args.strategies.split(",")
-    sps = calibrate_concurrently(config_for("allreduce", args), args.workers)
-    print(f"calibrated: {sps * 1e3:.4f} ms/sample with {args.workers} processes computing at once", flush=True)
+    profile = str(Path(args.out_dir) / "profile.toml")
+    shared = ako.calibrate(config_for("allreduce", args), profile, processes=args.workers)["shared_seconds_per_sample"]
+    print("calibrated: " + " / ".join(f"{t * 1e3:.3f}" for t in shared) + f" ms/sample with 1..{args.workers} processes at once", flush=True)
     rows = []
     for strategy in strategies:
         real = ako.train(config_for(strategy, args)).summary
         torch.set_num_threads(1)  # the simulator's gradients: one thread, as a worker's
         sim = ako.simulate(
-            config_for(strategy, args, seconds_per_sample=sps, bandwidth=args.bandwidth, latency=args.latency)
+            config_for(strategy, args, profile=profile, bandwidth=args.bandwidth, latency=args.latency)
         ).summary
         rows.append((strategy, real["time_to_accuracy"]["0.85"], sim["time_to_accuracy"]["0.85"], real, sim))
         print(f"{strategy}: real {rows[-1][1]} s, simulated {rows[-1][2]} s", flush=True)

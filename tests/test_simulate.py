@@ -4,16 +4,19 @@ virtual schedules, emergent server contention, Ako's constant traffic, determini
 from __future__ import annotations
 
 import json
+import tomllib
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import simpy
 import torch
 
 import ako
 from ako.cli import main
 from ako.models import build_model
 from ako.replica import OptimizerConfig, Replica
+from ako.runtime.costs import Costs, SharedHost
 from ako.strategies.partition import partition_bounds
 from helpers import single_process_sgd, small_config
 
@@ -166,12 +169,48 @@ def test_same_seed_same_result(tmp_path, strategy, overrides):
     assert virtual(one) == virtual(two)
 
 
+def test_shared_host_processor_sharing():
+    """Computations on one shared host (1, 2, 3 at once: 1, 2, 3 s per sample): A and B of 10
+    samples start at 0, C of 5 samples at 4. At 4, A and B have 8 left; C ends 5 x 3 = 15 s
+    later, at 19, when A and B have 3 left; they end 3 x 2 = 6 s later, at 25."""
+    env = simpy.Environment()
+    host = SharedHost(env, Costs(1.0, shared=(1.0, 2.0, 3.0)))
+    ends = {}
+
+    def job(name, start, samples):
+        yield env.timeout(start)
+        yield host.compute(samples)
+        ends[name] = env.now
+
+    for args in (("A", 0, 10), ("B", 0, 10), ("C", 4, 5)):
+        env.process(job(*args))
+    env.run()
+    assert ends == pytest.approx({"A": 25.0, "B": 25.0, "C": 19.0}, rel=1e-12)
+    assert Costs(1.0, shared=(1.0, 2.0)).shared_seconds_per_sample(4) == 4.0  # beyond the table: linear
+
+
+def test_allreduce_schedule_on_a_shared_host(tmp_path):
+    """A profile from `ako calibrate --processes 2` (1 ms per sample alone, 1.5 ms each with
+    two at once), free links, worker 1 at factor 3: both compute 16 samples at once (24 ms),
+    then worker 1 waits 2 x 24 ms, as the distributed runtime's straggler does: 72 ms a step."""
+    profile = tmp_path / "shared.toml"
+    profile.write_text("model = 'cnn'\nbatch_size = 16\nseconds_per_sample = 1e-3\nshared_seconds_per_sample = [1e-3, 1.5e-3]\n")
+    result = simulate(tmp_path, strategy="allreduce", profile=str(profile), straggler=("rank=1,factor=3",))
+    assert virtual(result) == pytest.approx(STEPS * 0.072, rel=1e-9)
+    workers = result.summary["per_worker"]
+    assert workers[0]["compute_seconds"] == pytest.approx(STEPS * 0.024, rel=1e-6)
+    assert workers[0]["idle_seconds"] == pytest.approx(STEPS * 0.048, rel=1e-6)
+    assert result.summary["simulation"]["shared_host_seconds_per_sample"] == [1e-3, 1.5e-3]
+
+
 def test_cli_simulate_and_calibrate(tmp_path, capsys):
     """`ako calibrate` writes a profile that `ako simulate --profile` takes; bad input exits 2
     with one line."""
     profile = tmp_path / "cnn.toml"
-    assert main(["calibrate", "--model", "cnn", "--dataset", "digits", "--batch-size", "16", "--out", str(profile)]) == 0
-    assert "seconds_per_sample" in profile.read_text()
+    calibrate = ["calibrate", "--model", "cnn", "--dataset", "digits", "--batch-size", "16", "--out", str(profile)]
+    assert main([*calibrate, "--processes", "2"]) == 0
+    assert len(tomllib.loads(profile.read_text())["shared_seconds_per_sample"]) == 2
+    assert main([*calibrate, "--processes", "0"]) == 2 and "processes 0" in capsys.readouterr().err
     common = ["--dataset", "digits", "--train-samples", "384", "--batch-size", "16", "--epochs", "0.1",
               "--out-dir", str(tmp_path / "runs"), "--no-progress"]  # fmt: skip
     assert main(["simulate", "--strategy", "bsp", "--workers", "2", "--profile", str(profile), *common]) == 0
@@ -192,6 +231,13 @@ def test_ako_one_partition_lock_step_equals_allreduce(tmp_path):
     result = simulate(tmp_path, strategy="ako", partitions=1, staleness=0, **COSTS)
     for w in result.workers:
         torch.testing.assert_close(w.params, reference.workers[0].params, rtol=0, atol=1e-5)
+    records = _records(result)
+    assert len(records) >= 2 and all(r["replicas"] == 2 and r["consensus_distance"] < 1e-6 for r in records)
+
+
+def _records(result) -> list[dict]:
+    path = Path(result.summary["run_dir"]) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 @pytest.mark.parametrize("strategy", ["gossip-pull", "gossip-push-sum"])
@@ -201,5 +247,8 @@ def test_gossip_runs_in_the_simulator_and_its_replicas_agree(tmp_path, strategy)
     kind = strategy.removeprefix("gossip-")
     result = simulate(tmp_path, strategy="gossip", gossip=kind, workers=4, train_samples=768)
     assert result.summary["consensus_distance"] < 0.05
+    records = _records(result)  # consensus over time: every evaluation point has all 4 copies
+    assert len(records) == 2 and all(r["replicas"] == 4 for r in records)  # the start and the end
+    assert records[0]["consensus_distance"] == 0 < records[1]["consensus_distance"]
     averaged = torch.stack([w.params for w in result.workers]).mean(0)
     assert result.summary["average_accuracy"] is not None and averaged.isfinite().all()

@@ -9,13 +9,18 @@ A profile is a small TOML file that `ako simulate --profile` takes:
     seconds_per_sample = 0.00037      # CPU, one thread (as each distributed worker runs)
     gpu_seconds_per_sample = 2.1e-05  # only where CUDA is present
     gpu = "NVIDIA H200"
+    shared_seconds_per_sample = [0.00037, 0.00041, 0.00062, 0.00081]  # only with --processes 4
 
 Seconds per sample are forward+backward (and the flat gradient) of one mini-batch, divided by
-its size: the median of `repeats` timed steps after two warm-up steps.
+its size: the median of `repeats` timed steps after two warm-up steps. With `processes` N > 1,
+`shared_seconds_per_sample[k-1]` is the median over k processes timing at once (k = 1..N, one
+thread each, as `ako train` runs k workers here): a profile of this machine as the cluster
+itself, which `ako simulate` then models as one host whose cores the workers share.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import statistics
 import time
 import tomllib
@@ -30,9 +35,12 @@ from ako.metrics import write_atomic
 from ako.runtime.job import Job
 
 
-def measure_seconds_per_sample(job: Job, data, device: torch.device, repeats: int = 20, threads: int | None = 1) -> float:
+def measure_seconds_per_sample(
+    job: Job, data, device: torch.device, repeats: int = 20, threads: int | None = 1, ready=None
+) -> float:
     """Median seconds per sample of forward+backward on `job.config.batch_size` training
-    samples on `device`, with `threads` CPU threads (None: leave torch's setting)."""
+    samples on `device`, with `threads` CPU threads (None: leave torch's setting). `ready`, if
+    given, is called after the warm-up steps, before timing (to start processes together)."""
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -42,6 +50,8 @@ def measure_seconds_per_sample(job: Job, data, device: torch.device, repeats: in
         x, y = x.to(device), y.to(device)
         times = []
         for i in range(repeats + 2):
+            if i == 2 and ready is not None:
+                ready()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t = time.perf_counter()
@@ -53,10 +63,32 @@ def measure_seconds_per_sample(job: Job, data, device: torch.device, repeats: in
         torch.set_num_threads(before)
 
 
-def calibrate(config: TrainConfig, out: str | None = None, repeats: int = 20) -> dict:
+def _timed_together(config: TrainConfig, repeats: int, barrier, results) -> None:
+    job = Job(config)
+    data = job.load_data()
+    results.put(measure_seconds_per_sample(job, data, torch.device("cpu"), repeats, ready=lambda: barrier.wait(120)))
+
+
+def measure_shared(config: TrainConfig, processes: int, repeats: int = 20) -> float:
+    """Median seconds per sample over `processes` processes timing forward+backward at the
+    same time on this machine's CPU (one thread each). Raises RuntimeError if one fails."""
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(processes), ctx.SimpleQueue()
+    workers = [ctx.Process(target=_timed_together, args=(config, repeats, barrier, results)) for _ in range(processes)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if any(w.exitcode != 0 for w in workers):
+        raise RuntimeError(f"calibrating {processes} processes at once: a process failed")
+    return statistics.median(results.get() for _ in workers)
+
+
+def calibrate(config: TrainConfig, out: str | None = None, repeats: int = 20, processes: int = 1) -> dict:
     """Measure `config.model` on `config.dataset` at `config.batch_size` on the CPU (one
-    thread) and on the GPU where CUDA is present; write the profile to `out` when given.
-    Returns the profile. Raises ConfigError or DataError."""
+    thread) and on the GPU where CUDA is present; with `processes` > 1 also 1..`processes`
+    processes at once (the module docstring); write the profile to `out` when given.
+    Returns the profile. Raises ConfigError, DataError, or RuntimeError (a process failed)."""
     job = Job(config)
     data = job.load_data()
     job.validate(data, job.build_replica(data, torch.device("cpu")).numel)
@@ -71,6 +103,9 @@ def calibrate(config: TrainConfig, out: str | None = None, repeats: int = 20) ->
         gpu = torch.device("cuda", 0)
         profile["gpu_seconds_per_sample"] = measure_seconds_per_sample(job, data, gpu, repeats, threads=None)
         profile["gpu"] = torch.cuda.get_device_name(gpu)
+    if processes > 1:
+        shared = [profile["seconds_per_sample"]] + [measure_shared(config, k, repeats) for k in range(2, processes + 1)]
+        profile["shared_seconds_per_sample"] = shared
     if out is not None:
         write_atomic(Path(out), tomli_w.dumps(profile))
     return profile
@@ -87,8 +122,11 @@ def load_profile(path: str, config: TrainConfig) -> dict:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"profile {path!r}: cannot read it ({e})") from None
     sps = profile.get("seconds_per_sample")
-    if isinstance(sps, bool) or not isinstance(sps, (int, float)) or not sps >= 0:
+    if not _time(sps):
         raise ConfigError(f"profile {path!r}: needs seconds_per_sample, a number >= 0")
+    shared = profile.get("shared_seconds_per_sample", [])
+    if not isinstance(shared, list) or not all(_time(t) for t in shared):
+        raise ConfigError(f"profile {path!r}: shared_seconds_per_sample must be a list of numbers >= 0")
     for key in ("model", "batch_size"):
         if key in profile and profile[key] != getattr(config, key):
             raise ConfigError(
@@ -96,3 +134,7 @@ def load_profile(path: str, config: TrainConfig) -> dict:
                 f"run ako calibrate --{key.replace('_', '-')} {getattr(config, key)}"
             )
     return profile
+
+
+def _time(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value >= 0

@@ -18,6 +18,12 @@
   from the moment the last worker arrives and every member's links are free; it holds every
   member's uplink and downlink for that long.
 A bandwidth of infinity makes transfers free (latency still counts).
+- Shared host (optional, `Costs.shared`): every worker runs on one machine, as `ako train`
+  runs them locally, and the computations running at once share its cores by processor
+  sharing: with k computing, each progresses at 1 / shared[k-1] samples per second (measured
+  by `ako calibrate --processes`; beyond the table, shared[-1] x k / len(shared)). A straggler
+  there computes at that speed and then waits (factor - 1) x its compute time, as the
+  distributed runtime's straggler does, leaving the cores to the others meanwhile.
 """
 
 from __future__ import annotations
@@ -25,20 +31,31 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import simpy
+
 
 @dataclass(frozen=True)
 class Costs:
     """Cost-model constants: `seconds_per_sample` (forward+backward, one worker, seconds),
     `bandwidth` (bytes/s of every up- and downlink; inf = free) and `latency` (seconds added to
-    every message). Raises ValueError for negative values or a bandwidth <= 0."""
+    every message), `shared` (seconds per sample when 1, 2, ... workers compute at once on one
+    shared machine; empty: every worker has a machine of its own). Raises ValueError for
+    negative values or a bandwidth <= 0."""
 
     seconds_per_sample: float
     bandwidth: float = math.inf
     latency: float = 0.0
+    shared: tuple[float, ...] = ()
 
     def __post_init__(self):
-        if self.seconds_per_sample < 0 or self.latency < 0 or not self.bandwidth > 0:
+        if min((self.seconds_per_sample, self.latency, *self.shared)) < 0 or not self.bandwidth > 0:
             raise ValueError(f"bad costs {self}: times must be >= 0 and bandwidth > 0")
+
+    def shared_seconds_per_sample(self, k: int) -> float:
+        """Seconds per sample of each of `k` >= 1 computations running at once on the shared host."""
+        if k <= len(self.shared):
+            return self.shared[k - 1]
+        return self.shared[-1] * k / len(self.shared)
 
     def compute_seconds(self, samples: int, factor: float = 1.0) -> float:
         """Seconds a worker slowed by `factor` takes for a gradient of `samples` samples."""
@@ -115,3 +132,46 @@ class Network:
             nic.bytes_up += moved
             nic.bytes_down += moved
         return start, start + seconds
+
+
+class SharedHost:
+    """Processor sharing of one machine's cores among the computations running at once (the
+    shared host of the module docstring), in SimPy virtual time."""
+
+    def __init__(self, env: simpy.Environment, costs: Costs):
+        self.env, self.costs = env, costs
+        self.remaining: dict[simpy.Event, float] = {}  # a computation's event -> samples left
+        self.since = 0.0  # when `remaining` was last brought up to date
+        self.timer = 0  # only the latest scheduled completion counts
+
+    def compute(self, samples: int) -> simpy.Event:
+        """An event that fires when `samples` samples have been computed on the shared cores."""
+        self._advance()
+        done = self.env.event()
+        self.remaining[done] = float(samples)
+        self._schedule()
+        return done
+
+    def _advance(self) -> None:
+        if self.remaining:
+            progress = (self.env.now - self.since) / self.costs.shared_seconds_per_sample(len(self.remaining))
+            for event in self.remaining:
+                self.remaining[event] -= progress
+        self.since = self.env.now
+
+    def _schedule(self) -> None:
+        self.timer += 1
+        if self.remaining:
+            timer, first = self.timer, min(self.remaining.values())
+            delay = max(first, 0.0) * self.costs.shared_seconds_per_sample(len(self.remaining))
+            self.env.timeout(delay).callbacks.append(lambda _: self._finish(timer))
+
+    def _finish(self, timer: int) -> None:
+        if timer != self.timer:
+            return
+        self._advance()
+        for event, left in list(self.remaining.items()):
+            if left <= 1e-9:
+                del self.remaining[event]
+                event.succeed()
+        self._schedule()

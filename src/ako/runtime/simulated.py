@@ -4,7 +4,8 @@ Every rank (worker or server) is one SimPy process that drives its strategy prog
 out the operations of `ako.strategies.ops` as the distributed runtime does, with real tensors:
 - `Compute` takes the next mini-batch and computes the real gradient at once, with the
   replica's parameters as they are at that virtual moment, then holds the worker for the cost
-  model's compute time (samples x seconds per sample x straggler factor, `costs.Costs`).
+  model's compute time (samples x seconds per sample x straggler factor, `costs.Costs`; on a
+  shared host, its share of the cores, `costs.SharedHost`).
   `ComputePartial` does the same micro-batch by micro-batch, checking for the stop message
   between micro-batches.
 - `Send` books the message on the sender's uplink and the receiver's downlink
@@ -15,7 +16,8 @@ out the operations of `ako.strategies.ops` as the distributed runtime does, with
   resumes them all when the ring all-reduce's modelled time has passed.
 - `Now` is the virtual clock; `MeasureStep` and `MeasureBandwidth` return the cost model's
   values; `Lost` is empty (no failures are simulated).
-Evaluations (rank 0's snapshots) take no virtual time. Same seed, same costs: same result, bit
+Evaluations (rank 0's snapshots, and for decentralised strategies the consensus distance of
+every worker's copy at the same step) take no virtual time. Same seed, same costs: same result, bit
 for bit, as event order depends only on virtual times and the order events were made.
 """
 
@@ -30,7 +32,8 @@ import simpy
 import torch
 
 from ako.data import fetch
-from ako.runtime.costs import Costs, Network
+from ako.runtime.consensus import SharedReplicas
+from ako.runtime.costs import Costs, Network, SharedHost
 from ako.metrics import MetricsLog, write_summary
 from ako.runtime.distributed import WorkerResult, _open_run_dir, _report
 from ako.runtime.job import Job
@@ -153,6 +156,7 @@ class SimulatedRuntime:
     def __init__(self, env: simpy.Environment, costs: Costs, world: int, workers: int, batch_size: int):
         self.env, self.costs, self.workers, self.batch_size = env, costs, workers, batch_size
         self.network = Network(costs, world)
+        self.host = SharedHost(env, costs) if costs.shared else None
         self.nodes = [Node(rank, SimClock(env)) for rank in range(world)]
         self.collective: _Collective | None = None
         self.forward_backward = 0.0
@@ -214,7 +218,7 @@ class SimulatedRuntime:
         slow = state.slowdown.factor() if state.slowdown.active else 1.0
         loss = self._gradient(state, x, y)
         state.computed(loss)
-        yield from self._busy(node, self.costs.compute_seconds(len(y), slow))
+        yield from self._busy(node, len(y), slow)
         return Gradient(state.replica.grad, loss, len(y))
 
     def compute_partial(self, node: Node, micro_batch: int, stop_tag: int, iteration: int):
@@ -232,7 +236,7 @@ class SimulatedRuntime:
             loss_sum += self._gradient(state, x, y) * len(y)
             grad_sum.add_(state.replica.grad, alpha=len(y))
             done += len(y)
-            yield from self._busy(node, self.costs.compute_seconds(len(y), slow))
+            yield from self._busy(node, len(y), slow)
         oldest = state.processed(indices, since, done)
         state.computed(loss_sum / done)
         return PartialGradient(grad_sum, loss_sum / done, done, indices, oldest)
@@ -243,9 +247,17 @@ class SimulatedRuntime:
         self.forward_backward += time.perf_counter() - t
         return loss
 
-    def _busy(self, node: Node, seconds: float):
-        node.compute_seconds += seconds
-        yield self.env.timeout(seconds)
+    def _busy(self, node: Node, samples: int, slow: float):
+        """Hold `node` for the compute time of `samples` samples at straggler factor `slow`."""
+        if self.host is None:
+            seconds = self.costs.compute_seconds(samples, slow)
+            node.compute_seconds += seconds
+            yield self.env.timeout(seconds)
+            return
+        start = self.env.now
+        yield self.host.compute(samples)
+        yield self.env.timeout((slow - 1.0) * (self.env.now - start))
+        node.compute_seconds += self.env.now - start
 
     def send(self, src: int, dst: int, message: Message) -> None:
         """Book `message` on the network and deliver it to `dst` when the model says."""
@@ -392,6 +404,7 @@ def simulate_job(job: Job, costs: Costs) -> tuple[dict, list[WorkerResult]]:
     runtime = SimulatedRuntime(env, costs, world, n, config.batch_size)
     run_dir = _open_run_dir(config, strategy.name, data)
     servers = list(range(n, world))
+    copies: dict = {}  # the replicas' copies at evaluation points, for the consensus distance
     for rank in range(world):
         node, replica = runtime.nodes[rank], replicas[rank]
         if rank < n:
@@ -399,6 +412,7 @@ def simulate_job(job: Job, costs: Costs) -> tuple[dict, list[WorkerResult]]:
             node.state = WorkerState(
                 config, rank, n, data.train, data.test, replica, node.clock, log,
                 lambda r=rank: runtime.traffic(r), lambda r=rank: runtime.request_stop(r),
+                SharedReplicas(copies, rank, n) if strategy.decentralised else None,
             )  # fmt: skip
             runtime.start(rank, strategy.worker, WorkerContext(rank, n, replica, config, node.state.should_stop, servers))
         else:
@@ -428,6 +442,7 @@ def _simulation_facts(runtime: SimulatedRuntime, costs: Costs, reports: list[dic
 
     return {
         "seconds_per_sample": costs.seconds_per_sample,
+        "shared_host_seconds_per_sample": list(costs.shared),
         "bandwidth_bytes_per_second": None if math.isinf(costs.bandwidth) else costs.bandwidth,
         "latency_seconds": costs.latency,
         "virtual_seconds": end,  # when the last program ended
@@ -445,6 +460,13 @@ def _simulation_facts(runtime: SimulatedRuntime, costs: Costs, reports: list[dic
     }
 
 
+def _compute(s: dict) -> str:
+    shared = s["shared_host_seconds_per_sample"]
+    if not shared:
+        return f"{s['seconds_per_sample'] * 1e3:.4g} ms/sample"
+    return "one shared host, " + "/".join(f"{t * 1e3:.3g}" for t in shared) + f" ms/sample with 1..{len(shared)} computing"
+
+
 def format_simulation(s: dict) -> str:
     """The simulator's lines printed after the run summary."""
     bandwidth = "free" if s["bandwidth_bytes_per_second"] is None else f"{s['bandwidth_bytes_per_second'] * 8 / 1e9:g} Gbit/s"
@@ -452,7 +474,7 @@ def format_simulation(s: dict) -> str:
         f"  simulated        {s['virtual_seconds']:.2f} virtual s in {s['real_seconds']:.1f} real s "
         f"({s['forward_backward_seconds']:.1f} s forward/backward, {s['evaluation_seconds']:.1f} s evaluating, "
         f"{s['not_forward_backward_share']:.0%} not forward/backward)",
-        f"  cost model       {s['seconds_per_sample'] * 1e3:.4g} ms/sample, links {bandwidth}, latency {s['latency_seconds'] * 1e6:g} us",
+        f"  cost model       {_compute(s)}, links {bandwidth}, latency {s['latency_seconds'] * 1e6:g} us",
         f"  worker time      compute {s['worker_compute_seconds_mean']:.2f} s, idle {s['worker_idle_seconds_mean']:.2f} s, "
         f"communication {s['worker_communication_seconds_mean']:.2f} s (means; per worker and each server's NIC "
         "utilisation in summary.json)",
