@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ from ako import TrainConfig
 from ako.data import ShardSampler, fetch, load_dataset
 from ako.models import build_model
 from ako.replica import OptimizerConfig, Replica
+from ako.runtime import checkpoint
 from ako.strategies import Strategy, gossip
 from ako.strategies import ako as ako_strategy
 from ako.strategies.ops import Compute, Publish, Pull
@@ -103,8 +105,7 @@ def digits_cnn() -> torch.nn.Module:
 def _perturbed_lr0(ctx):
     """Gossip with learning rate 0 from replicas made different on purpose (noise of std 0.05
     seeded by the rank), so that only the averaging moves them. Facts add the initial replica."""
-    for group in ctx.replica.optimizer.optimizer.param_groups:  # FlatSGD wraps torch SGD
-        group["lr"] = 0.0
+    ctx.replica.optimizer.optim = replace(ctx.replica.optimizer.optim, lr=0.0)
     noise = torch.randn(ctx.replica.numel, generator=torch.Generator().manual_seed(1000 + ctx.rank))
     ctx.replica.params.add_(noise, alpha=0.05)
     initial = ctx.replica.params.clone()
@@ -194,14 +195,25 @@ def wait_for_metrics(out_dir: Path, deadline: float) -> None:
     raise AssertionError("training did not start")
 
 
-def run_and_kill(cmd: list[str], victim: str, out_dir: Path, settle: float = 0.0, limit: float = 90.0):
-    """Start `cmd`, kill -9 its child process named `victim` once training has begun (and
-    `settle` seconds more); returns (exit status, stdout, stderr, seconds from kill to end)."""
+def wait_for_checkpoint(out_dir: Path, world: int, deadline: float) -> None:
+    """Until a run under `out_dir` has a complete checkpoint (a file from each of `world` ranks)."""
+    while time.monotonic() < deadline:
+        for run_dir in out_dir.glob("*"):
+            if checkpoint.latest(run_dir, world) is not None:
+                return
+        time.sleep(0.05)
+    raise AssertionError("no complete checkpoint appeared")
+
+
+def run_and_kill(cmd: list[str], victim: str, out_dir: Path, settle: float = 0.0, limit: float = 90.0, ready=None):
+    """Start `cmd`, kill -9 its child process named `victim` once `ready(out_dir, deadline)`
+    returns (default: training has begun) and `settle` seconds more; returns (exit status,
+    stdout, stderr, seconds from kill to end)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90
         pid = find_process(victim, proc.pid, deadline)
-        wait_for_metrics(out_dir, deadline)
+        (ready or wait_for_metrics)(out_dir, deadline)
         time.sleep(settle)
         killed = time.monotonic()
         os.kill(pid, signal.SIGKILL)

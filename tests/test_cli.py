@@ -83,6 +83,9 @@ BAD_INPUT = [
     (["--straggler", "rank=1,factor=0.5"], "straggler 'rank=1,factor=0.5': factor must be a number >= 1 and <= 1000"),
     (["--straggler", "prob=1.5,factor=2"], "straggler 'prob=1.5,factor=2': prob must be in [0, 1]"),
     (["--straggler", "rank=1,factor=nan"], "straggler 'rank=1,factor=nan': factor must be a number >= 1"),
+    (["--checkpoint-every", "often"], "checkpoint_every 'often': expected a period like 30s, 5min or 1h"),
+    (["--checkpoint-every", "0s"], "checkpoint_every '0s': must be more than 0 s and at most 1e6 s"),
+    (["--resume", "/nonexistent/run"], "resume '/nonexistent/run': not a run directory (no config.toml in it)"),
 ]
 
 

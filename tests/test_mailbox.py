@@ -17,7 +17,7 @@ from ako.runtime.mailbox import Mailbox
 def exchange_for(seconds: float, timeout: float) -> dict:
     """Rank 0 sends rank 1 a 1 MB message every 50 ms for `seconds`, with a mailbox timeout far
     shorter than that; returns what rank 0 saw (rank 1: what it received)."""
-    rank, world = join_process_group(30.0, "gloo")
+    rank, world, _ = join_process_group(30.0, "gloo")
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
     mailbox = Mailbox(rank, [1 - rank], group, timeout, on_stop=lambda: None)
     sent = received = most_pending = 0

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ako.config import TrainConfig, validate
+from ako.config import ConfigError, TrainConfig, validate
 from ako.runtime.distributed import WorkerResult, run_worker
 from ako.runtime.job import Job
 from ako.runtime.launcher import launch, under_elastic_agent
@@ -78,6 +78,8 @@ def simulate(
     `config.latency` the per-message latency, and the compute speed is
     `config.seconds_per_sample`, else the `config.profile` file's (see `calibrate`), else
     measured here at the start (and recorded in the run's config.toml so it can be replayed).
+    A profile with `shared_seconds_per_sample` (`ako calibrate --processes`) makes the cluster
+    one host whose cores the workers share, as `ako train` runs them on the calibrating machine.
     Other arguments as for `train`. Returns the summary (times in virtual seconds) and every
     worker's final parameters. Raises ConfigError or DataError (bad input) and RuntimeError
     (the strategy deadlocked).
@@ -89,22 +91,27 @@ def simulate(
     config = validate(config, simulated=True)
     job = Job(config, strategy, model_fn, train_set, test_set)
     data = job.check()
-    sps = config.seconds_per_sample
-    if sps is None and config.profile is not None:
-        sps = float(load_profile(config.profile, config)["seconds_per_sample"])
+    sps, shared = config.seconds_per_sample, ()
+    if config.profile is not None:
+        profile = load_profile(config.profile, config)
+        sps = float(profile["seconds_per_sample"]) if sps is None else sps
+        shared = tuple(float(t) for t in profile.get("shared_seconds_per_sample", ()))
     if sps is None:
         sps = measure_seconds_per_sample(job, data, torch.device("cpu"))
     job.config = replace(config, seconds_per_sample=sps)
     bandwidth = config.bandwidth_bytes
-    costs = Costs(sps, math.inf if bandwidth is None else bandwidth, config.latency_seconds)
+    costs = Costs(sps, math.inf if bandwidth is None else bandwidth, config.latency_seconds, shared)
     summary, workers = simulate_job(job, costs)
     return RunResult(summary, workers)
 
 
-def calibrate(config: TrainConfig, out: str | None = None) -> dict:
+def calibrate(config: TrainConfig, out: str | None = None, processes: int = 1) -> dict:
     """Measure seconds per sample of `config.model` at `config.batch_size` on this machine (CPU,
-    one thread; and the GPU where CUDA is present) and write the profile to `out` when given.
-    Returns the profile dict. Raises ConfigError or DataError."""
+    one thread; and the GPU where CUDA is present; with `processes` > 1 also 2..`processes`
+    processes computing at once) and write the profile to `out` when given.
+    Returns the profile dict. Raises ConfigError, DataError or RuntimeError."""
     from ako.runtime.calibrate import calibrate as measure
 
-    return measure(validate(config, simulated=True), out)
+    if isinstance(processes, bool) or not isinstance(processes, int) or not 1 <= processes <= 256:
+        raise ConfigError(f"processes {processes!r}: must be an integer from 1 to 256")
+    return measure(validate(config, simulated=True), out, processes=processes)

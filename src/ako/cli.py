@@ -69,6 +69,14 @@ _SIMULATE_FLAGS = {
 }
 
 
+# `ako train` only (config.TRAIN_OPTIONS)
+_TRAIN_FLAGS = {
+    "checkpoint_every": ("write a checkpoint every this much training time, e.g. 30s or 5min (default: never)", {}),
+    "resume": ("continue the run in this run directory from its last complete checkpoint (its config.toml, "
+               "then these flags)", {"metavar": "RUN_DIR"}),
+}  # fmt: skip
+
+
 def _add_flags(command: argparse.ArgumentParser, flags: dict) -> None:
     for name, (text, extra) in flags.items():
         default = FIELDS[name].default
@@ -91,18 +99,30 @@ def build_parser() -> argparse.ArgumentParser:
         _add_flags(command, _FLAGS)
         command.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: only on a terminal)")
     _add_flags(simulate, _SIMULATE_FLAGS)
+    _add_flags(train, _TRAIN_FLAGS)
     calibrate = commands.add_parser(
         "calibrate", help="measure compute seconds per sample here and write a cluster profile"
     )
     _add_flags(calibrate, {k: _FLAGS[k] for k in ("model", "dataset", "data_dir", "batch_size")})
     calibrate.add_argument("--out", metavar="FILE", help="where to write the profile (default: <model>-profile.toml)")
+    calibrate.add_argument(
+        "--processes", type=int, default=1, metavar="N",
+        help="also time 2..N processes computing at once: profile this machine as a cluster of N workers sharing its cores",
+    )  # fmt: skip
     commands.add_parser("info", help="list strategies, models and data sets, and where data is found")
     return parser
 
 
 def config_from_args(args: argparse.Namespace, simulated: bool = False) -> TrainConfig:
-    """defaults < --config file < flags; validated (for `ako simulate` when `simulated`)."""
-    values = load_toml(args.config) if getattr(args, "config", None) is not None else {}
+    """defaults < --resume's config.toml < --config file < flags; validated (for `ako simulate`
+    when `simulated`)."""
+    values = {}
+    if getattr(args, "resume", None) is not None:
+        if not os.path.isfile(os.path.join(args.resume, "config.toml")):
+            raise ConfigError(f"resume {args.resume!r}: not a run directory (no config.toml in it)")
+        values = load_toml(os.path.join(args.resume, "config.toml"))
+    if getattr(args, "config", None) is not None:
+        values.update(load_toml(args.config))
     for name in FIELDS:
         given = getattr(args, name, None)
         if given is not None:
@@ -164,15 +184,18 @@ def cmd_simulate(config: TrainConfig) -> int:
     return 0
 
 
-def cmd_calibrate(config: TrainConfig, out: str | None) -> int:
+def cmd_calibrate(config: TrainConfig, out: str | None, processes: int) -> int:
     """`ako calibrate`: measure, write the profile, print it."""
     from ako.api import calibrate
 
     out = out or f"{config.model}-profile.toml"
-    profile = calibrate(config, out)
+    profile = calibrate(config, out, processes)
     line = f"ako calibrate: {config.model} at batch {config.batch_size}: {profile['seconds_per_sample'] * 1e3:.4g} ms/sample on the CPU (1 thread)"
     if "gpu_seconds_per_sample" in profile:
         line += f", {profile['gpu_seconds_per_sample'] * 1e3:.4g} ms/sample on {profile['gpu']}"
+    if "shared_seconds_per_sample" in profile:
+        shared = "/".join(f"{t * 1e3:.3g}" for t in profile["shared_seconds_per_sample"])
+        line += f", {shared} ms/sample with 1..{processes} processes at once"
     print(f"{line}; profile written to {out}")
     return 0
 
@@ -188,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "simulate":
             return cmd_simulate(config_from_args(args, simulated=True))
         if args.command == "calibrate":
-            return cmd_calibrate(config_from_args(args, simulated=True), args.out)
+            return cmd_calibrate(config_from_args(args, simulated=True), args.out, args.processes)
         return cmd_train(config_from_args(args))
     except (ConfigError, DataError) as e:
         print(f"ako: error: {e}", file=sys.stderr)

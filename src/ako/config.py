@@ -38,6 +38,7 @@ STRATEGY_OPTIONS = {
 }
 # settings only the simulated runtime takes (`ako train` rejects them)
 SIMULATE_OPTIONS = ("latency", "seconds_per_sample", "profile")
+TRAIN_OPTIONS = ("checkpoint_every", "resume")  # `ako train` only: the simulator does not fail
 SSP_STALENESS = 2  # ssp's bound when none is given
 GOSSIP_MODES = ("pull", "push-sum")
 PEER_SELECTIONS = ("random", "rotating")
@@ -83,6 +84,9 @@ class TrainConfig:
     backend: str = "auto"
     out_dir: str = "runs"
     progress: bool | None = None  # progress bar: None = only on a terminal
+    # `ako train` only (TRAIN_OPTIONS): checkpoints and resuming from them
+    checkpoint_every: str | None = None  # e.g. "30s" or "5min"; None = no checkpoints
+    resume: str | None = None  # a run directory to continue from its last complete checkpoint
     # `ako simulate` only (SIMULATE_OPTIONS): per-message latency, compute speed, cluster profile
     latency: str | None = None  # e.g. "100us"; None = 0
     seconds_per_sample: float | None = None  # forward+backward seconds per sample of one worker
@@ -92,6 +96,11 @@ class TrainConfig:
     def bandwidth_bytes(self) -> float | None:
         """The link budget in bytes per second, or None to measure it."""
         return None if self.bandwidth is None else parse_bandwidth(self.bandwidth)
+
+    @property
+    def checkpoint_seconds(self) -> float | None:
+        """Seconds of training between checkpoints, or None for none."""
+        return None if self.checkpoint_every is None else parse_duration(self.checkpoint_every)
 
     @property
     def latency_seconds(self) -> float:
@@ -125,6 +134,22 @@ def parse_bandwidth(text: str) -> float:
 
 _LATENCY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(s|ms|us|µs|ns)?\s*$")
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*(s|min|h)?\s*$")
+_DURATION_UNITS = {"s": 1.0, "min": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """Parse a period such as "30s", "5min", "1h" or "90" (seconds); returns seconds.
+    Raises ConfigError for anything else, or a period outside (0, 1e6] seconds."""
+    match = _DURATION.match(str(text))
+    if not match:
+        raise ConfigError(f"checkpoint_every {text!r}: expected a period like 30s, 5min or 1h")
+    seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2) or "s"]
+    if not 0 < seconds <= 1e6:
+        raise ConfigError(f"checkpoint_every {text!r}: must be more than 0 s and at most 1e6 s")
+    return seconds
 
 
 def parse_latency(text: str) -> float:
@@ -249,8 +274,17 @@ def _validate_cluster(c: TrainConfig) -> None:
 
 
 def _validate_simulation(c: TrainConfig, simulated: bool) -> None:
-    """The simulate-only settings: rejected for `ako train`, checked for `ako simulate`."""
+    """The simulate-only settings: rejected for `ako train`, checked for `ako simulate`; and
+    the other way round for the train-only ones."""
+    for name in TRAIN_OPTIONS if simulated else ():
+        if getattr(c, name) is not None:
+            raise ConfigError(f"{name} {_show(getattr(c, name))}: only `ako train` takes it")
     if not simulated:
+        if c.checkpoint_every is not None:
+            c.checkpoint_every = str(c.checkpoint_every)
+            parse_duration(c.checkpoint_every)
+        if c.resume is not None and not isinstance(c.resume, str):
+            raise ConfigError(f"resume {_show(c.resume)}: must be a run directory")
         for name in SIMULATE_OPTIONS:
             if getattr(c, name) is not None:
                 raise ConfigError(f"{name} {_show(getattr(c, name))}: only `ako simulate` takes it")

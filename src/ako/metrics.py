@@ -51,6 +51,13 @@ class MetricsLog:
         self.path = path
         self.records: list[dict] = []
 
+    def resume(self, until: float) -> None:
+        """A resumed run: keep the records up to `until` training seconds (the checkpoint's),
+        drop any the failed run logged after it, and go on appending."""
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        self.records = [r for r in map(json.loads, lines) if r["time"] <= until + 1e-9]
+        write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+
     def append(self, record: dict) -> None:
         """Log one evaluation record (NaN and infinities become null)."""
         record = finite(record)
@@ -107,6 +114,8 @@ def format_summary(s: dict) -> str:
             f"  absp             handed in per iteration {each} of the assignment (mean {s['handed_in']:.0%}); "
             f"oldest waiting sample {s['oldest_waiting']} iterations old"
         )
+    if s.get("resumed_from_step") is not None:
+        lines.append(f"  resumed          from the checkpoint at step {s['resumed_from_step']}")
     if s.get("lost_ranks"):
         lines.append(f"  lost             worker rank{'s' if len(s['lost_ranks']) > 1 else ''} {', '.join(map(str, s['lost_ranks']))} died; the others carried on")
     if "partitions" in s:

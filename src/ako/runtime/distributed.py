@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -26,7 +28,8 @@ from ako.data import fetch
 from ako.metrics import MetricsLog, build_summary, create_run_dir, format_summary, write_atomic, write_summary
 from ako.runtime.consensus import MailboxReplicas
 from ako.runtime.job import Job
-from ako.runtime.mailbox import FINAL, PROBE, PULL, REPORT, SNAPSHOT, STOP, Mailbox, comm_error
+from ako.runtime import checkpoint
+from ako.runtime.mailbox import CHECKPOINT, FINAL, PROBE, PULL, REPORT, SNAPSHOT, STOP, Mailbox, comm_error
 from ako.runtime.worker import Clock, WorkerState
 from ako.strategies import ServerContext, WorkerContext
 from ako.strategies.ops import (
@@ -52,21 +55,16 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 _PROBE_BYTES = 4 << 20
 
 
-def join_process_group(timeout: float, backend: str) -> tuple[int, int]:
-    """Join the job's process group from the elastic agent's environment; returns (rank, world).
+def join_process_group(timeout: float, backend: str) -> tuple[int, int, dist.Store]:
+    """Join the job's process group from the elastic agent's environment; returns (rank, world,
+    the agent's store: shared by every restart attempt).
 
     Each restart attempt uses its own key prefix in the agent's store: Gloo would otherwise
     read the previous attempt's stale addresses (engine-facts.md, torchrun --max-restarts).
     """
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world,
-        is_master=False,
-        timeout=timedelta(seconds=timeout),
-    )
+    store = _connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, timeout)
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"ako/attempt{attempt}", store),
@@ -74,7 +72,29 @@ def join_process_group(timeout: float, backend: str) -> tuple[int, int]:
         world_size=world,
         timeout=timedelta(seconds=timeout),
     )
-    return rank, world
+    return rank, world, store
+
+
+def _connect_store(host: str, port: int, world: int, timeout: float) -> dist.Store:
+    """The agent's TCPStore, as a client, within `timeout` seconds. The store's own timeout
+    does not cover its handshake: a port held by something else that accepts the connection
+    and never answers would block for ever, so the connection is made on a daemon thread."""
+    result: list = []
+
+    def connect():
+        try:
+            result.append(dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=timeout)))
+        except Exception as e:  # noqa: BLE001 - handed to the caller below
+            result.append(e)
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(2 * timeout + 10)  # the store's own retries first: their message says more
+    if not result:
+        raise RuntimeError(f"no answer from the store at {host}:{port} (is something else on that port?)")
+    if isinstance(result[0], Exception):
+        raise result[0]
+    return result[0]
 
 
 class DistributedRuntime:
@@ -89,15 +109,64 @@ class DistributedRuntime:
         self.rank, self.world_size, self.timeout, self.device = rank, world_size, timeout, device
         self.survives_loss = survives_loss
         self.collective_bytes = 0  # as a ring all-reduce moves them: 2 (n-1)/n x bytes each way
+        self.bytes_before = (0, 0)  # (sent, received) before a resumed run's checkpoint
         self.state: WorkerState | None = None
         self.clock = Clock()
+        # checkpoints (`ako.runtime.checkpoint`): where, how often, what must match, when next
+        self.run_dir: Path | None = None
+        self.every = math.inf
+        self.identity: dict = {}
+        self.checkpoint_at: int | None = None
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         peers = [r for r in range(world_size) if r != rank]
-        self.mailbox = Mailbox(rank, peers, group, timeout, on_stop=self._stop_requested)
+        self.mailbox = Mailbox(rank, peers, group, timeout, self._stop_requested, self._checkpoint_called)
 
     def _stop_requested(self) -> None:
         if self.state is not None:
             self.state.stop_requested = True
+
+    def _checkpoint_called(self, point: int) -> None:
+        self.checkpoint_at = point
+        if self.state is not None:
+            self.state.checkpoint_at = point
+
+    def announce(self, point: int) -> None:
+        """Rank 0: tell every other rank to save its part of the checkpoint at step `point`."""
+        for peer in self.mailbox.peers:
+            if peer not in self.mailbox.lost:
+                self.mailbox.send(torch.empty(0), peer, CHECKPOINT, step=point, drop_lost=True)
+
+    def save(self, point: int, shard=None) -> None:
+        """Save this rank's part of the checkpoint at step `point`: a worker's replica and
+        place in the run, or a server's `shard`."""
+        if self.state is not None:
+            replica = self.state.replica
+            own = {
+                "role": "worker",
+                "params": replica.params.detach().cpu().clone(),
+                "optimizer": replica.optimizer.state_dict(),
+                "worker": self.state.state_dict(),
+            }
+        else:
+            own = {"role": "server", "shard": shard.state_dict()}
+        state = {**self.identity, **own, "bytes": list(self.bytes_moved())}
+        checkpoint.save(self.run_dir, point, self.rank, self.world_size, state)
+
+    def on_update(self, shard) -> None:
+        """A server's shard was updated: save it if a checkpoint is due at its version."""
+        if self.checkpoint_at is not None and shard.version >= self.checkpoint_at:
+            point, self.checkpoint_at = self.checkpoint_at, None
+            self.save(point, shard)
+
+    def restore(self, state: dict) -> None:
+        """Continue from this rank's part of a checkpoint (a worker's; a server's shard is
+        restored by its program, from `ServerContext.restored`)."""
+        self.bytes_before = tuple(int(b) for b in state["bytes"])
+        if self.state is not None:
+            replica = self.state.replica
+            replica.params.copy_(state["params"])
+            replica.optimizer.load_state_dict(state["optimizer"])
+            self.state.load_state_dict(state["worker"])
 
     def request_stop(self) -> None:
         """Tell every peer to stop (rank 0 reached the target accuracy)."""
@@ -107,8 +176,8 @@ class DistributedRuntime:
 
     def bytes_moved(self) -> tuple[int, int]:
         """(sent, received) bytes so far, payloads plus collectives."""
-        c = self.collective_bytes
-        return self.mailbox.bytes_sent + c, self.mailbox.bytes_received + c
+        c, (sent, received) = self.collective_bytes, self.bytes_before
+        return sent + self.mailbox.bytes_sent + c, received + self.mailbox.bytes_received + c
 
     def run(self, program, ctx, state: WorkerState | None) -> dict:
         """Drive the generator `program(ctx)` to its end; returns what it returns. `state` is
@@ -297,13 +366,13 @@ class DistributedRuntime:
         sent, received = self.bytes_moved()
         scalars = {k: v for k, v in facts.items() if isinstance(v, (str, int, float, bool))}
         return {
+            **scalars,
             "rank": self.rank,
             "role": "worker" if state is not None else "server",
             "steps": state.step if state is not None else 0,
             "samples": state.samples if state is not None else 0,
             "bytes_sent": sent,
             "bytes_received": received,
-            **scalars,
         }
 
     def close(self) -> None:
@@ -357,14 +426,14 @@ def run_worker(job: Job) -> WorkerResult:
     config = job.config
     backend, device = pick_device(config.backend)
     try:
-        rank, world = join_process_group(config.timeout, backend)
+        rank, world, store = join_process_group(config.timeout, backend)
     except (RuntimeError, dist.DistError) as e:
         raise RuntimeError(f"the workers did not all join within {config.timeout:g} s: {comm_error(e)}") from None
     servers = config.servers or 0
     if world <= servers:
         raise ConfigError(f"servers {servers}: the world size {world} leaves no workers")
     name_process(f"ako-{'rank' if rank < world - servers else 'server'}{rank}")
-    result, lost = _train(replace(job, config=replace(config, workers=world - servers)), rank, world, device)
+    result, lost = _train(replace(job, config=replace(config, workers=world - servers)), rank, world, device, store)
     # Only after success with every peer alive: a receive thread may be blocked on a stuck or
     # dead peer, and destroying the group under it could wait for ever; the process exits instead.
     if not lost:
@@ -372,7 +441,7 @@ def run_worker(job: Job) -> WorkerResult:
     return result
 
 
-def _train(job: Job, rank: int, world: int, device: torch.device) -> tuple[WorkerResult, bool]:
+def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.Store) -> tuple[WorkerResult, bool]:
     data = job.load_data()
     # what the run really used: the data set `auto` chose, the user's own model or data
     model = "custom" if job.model_fn is not None else job.config.model
@@ -386,21 +455,34 @@ def _train(job: Job, rank: int, world: int, device: torch.device) -> tuple[Worke
         runtime.broadcast(replica.params)  # identical replicas, whatever the model factory did
     except (RuntimeError, dist.DistError) as e:
         raise RuntimeError(f"the workers did not all get ready within {config.timeout:g} s: {comm_error(e)}") from None
-    run_dir = _open_run_dir(config, strategy.name, data) if rank == 0 else None
-    log = MetricsLog(run_dir / "metrics.jsonl") if run_dir else None
+    run_dir, point = _run_dir(job, data, rank, store, runtime, job.identity(replica.numel))
+    log = MetricsLog(run_dir / "metrics.jsonl") if rank == 0 else None
+    saved = checkpoint.load(run_dir, point, rank) if point is not None else None
+    if saved is not None:
+        checkpoint.check(saved, job.identity(replica.numel), str(checkpoint.path(run_dir, point, rank)), contents=True)
+    if config.checkpoint_every is not None:
+        runtime.run_dir, runtime.every, runtime.identity = run_dir, config.checkpoint_seconds, job.identity(replica.numel)
+    checkpointer = runtime if config.checkpoint_every is not None else None
     servers = list(range(n, world))
     if rank < n:
         replicas = MailboxReplicas(runtime.mailbox, n) if strategy.decentralised else None
         state = WorkerState(
             config, rank, n, data.train, data.test, replica, runtime.clock, log, runtime.bytes_moved,
-            runtime.request_stop, replicas,
+            runtime.request_stop, replicas, checkpointer,
         )  # fmt: skip
-        program, ctx = strategy.worker, WorkerContext(rank, n, replica, config, state.should_stop, servers)
+        program = strategy.worker
+        ctx = WorkerContext(rank, n, replica, config, state.should_stop, servers, point or 0)
     else:
         state, program = None, strategy.server
-        ctx = ServerContext(rank, rank - n, servers, list(range(n)), replica, config)
+        restored = saved["shard"] if saved is not None else None
+        ctx = ServerContext(rank, rank - n, servers, list(range(n)), replica, config, restored, runtime.on_update)
+    runtime.state = state
+    if saved is not None:
+        runtime.restore(saved)
+        if log is not None:
+            log.resume(state.resumed[1])
     runtime.barrier()  # start the clocks together
-    runtime.clock.begin()
+    runtime.clock.begin(state.resumed[1] if state is not None else 0.0)
     facts = runtime.run(program, ctx, state)
     runtime.clock.stop()
     final = replica.params if strategy.decentralised and state is not None else None
@@ -408,8 +490,38 @@ def _train(job: Job, rank: int, world: int, device: torch.device) -> tuple[Worke
     runtime.close()
     summary = None
     if rank == 0:
-        summary = _report(job, data, state, reports, finals, facts.get("centre"), sorted(runtime.mailbox.lost), run_dir)
+        lost = sorted(runtime.mailbox.lost)
+        summary = _report(job, data, state, reports, finals, facts.get("centre"), lost, run_dir, resumed=point)
     return WorkerResult(rank, replica.params.cpu().clone(), facts, summary), bool(runtime.mailbox.lost)
+
+
+def _run_dir(job: Job, data, rank: int, store: dist.Store, runtime: DistributedRuntime, identity: dict):
+    """(run directory, step of the checkpoint to resume from or None), the same on every rank.
+
+    Rank 0 decides: `config.resume`'s latest complete checkpoint; under a `torchrun` restart,
+    the first attempt's run directory (found in the agent's store) and its latest complete
+    checkpoint, if any; else a new run directory. The others learn the directory from the
+    store (when they need it: checkpoints or a resume) and the step by broadcast."""
+    config = job.config
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    key = "ako/run_dir"
+    if rank == 0:
+        if config.resume is not None:
+            run_dir, point = Path(config.resume), checkpoint.find(config.resume, identity)
+        elif attempt > 0 and store.check([key]):
+            run_dir = Path(store.get(key).decode())
+            point = checkpoint.latest(run_dir, identity["world"])
+        else:
+            run_dir, point = _open_run_dir(config, job.strategy.name, data), None
+        if point is not None:
+            write_atomic(run_dir / "config.toml", to_toml(config))
+            print(f"ako: resuming {run_dir} from its checkpoint at step {point}", file=sys.stderr, flush=True)
+        store.set(key, str(run_dir))
+    found = runtime.broadcast(torch.tensor([-1 if rank != 0 or point is None else point]))
+    point = None if found.item() < 0 else int(found.item())
+    if rank != 0:
+        run_dir = Path(store.get(key).decode()) if point is not None or config.checkpoint_every else None
+    return run_dir, point
 
 
 def _open_run_dir(config, strategy: str, data) -> Path:
@@ -420,12 +532,15 @@ def _open_run_dir(config, strategy: str, data) -> Path:
     return run_dir
 
 
-def _report(job: Job, data, state: WorkerState, reports: list[dict], finals, centre, lost: list[int], run_dir: Path) -> dict:
+def _report(
+    job: Job, data, state: WorkerState, reports: list[dict], finals, centre, lost: list[int], run_dir: Path,
+    resumed: int | None = None,
+) -> dict:  # fmt: skip
     """Rank 0, after training: evaluate, write summary.json, print the summary. `finals`: the
     live workers' final replicas (decentralised strategies), in the order of their reports;
     their average is weighted by each worker's `average_weight` fact when it has one. `centre`:
     the model a strategy with a centre variable reports (a worker program's `centre` fact),
-    (numel,) or None."""
+    (numel,) or None. `resumed`: the step of the checkpoint the run resumed from, if any."""
     end = {}
     if finals:
         weights = [float(r.get("average_weight", 1.0)) for r in reports if r["role"] == "worker"]
@@ -442,6 +557,7 @@ def _report(job: Job, data, state: WorkerState, reports: list[dict], finals, cen
         loss, accuracy = state.replica.evaluate_params(centre.to(state.replica.params.device), data.test)
         summary["centre_accuracy"], summary["centre_loss"] = round(accuracy, 5), round(loss, 5)
     summary["lost_ranks"] = lost
+    summary["resumed_from_step"] = resumed
     summary["run_dir"] = str(run_dir)
     write_summary(run_dir, summary)
     try:

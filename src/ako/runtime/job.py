@@ -16,6 +16,7 @@ from torch import nn
 
 from ako.config import ConfigError, TrainConfig
 from ako.data import DataError, load_dataset
+from ako.runtime import checkpoint
 from ako.models import build_model
 from ako.replica import OptimizerConfig, Replica
 from ako.strategies import STRATEGIES, Strategy
@@ -85,7 +86,16 @@ class Job:
             ) from None
         self.validate(data, replica.numel)
         check_out_dir(self.config.out_dir)
+        if self.config.resume is not None:
+            checkpoint.find(self.config.resume, self.identity(replica.numel))
         return data
+
+    def identity(self, numel: int) -> dict:
+        """What a checkpoint must agree with for this job to resume from it."""
+        c = self.config
+        model = "custom" if self.model_fn is not None else c.model
+        world = c.workers + (c.servers or 0)
+        return {"strategy": self.strategy.name, "model": model, "numel": numel, "world": world}
 
     def validate(self, data: Data, numel: int) -> None:
         """The settings that depend on the data and the model: the strategy's options against

@@ -10,7 +10,7 @@ A live peer may be silent for as long as it likes: the waits for messages have t
 tags are the runtime's own: STOP (the target accuracy was reached), CLOSE (the peer is done),
 PROBE (bandwidth probe), REPORT and FINAL (end-of-run counts and parameters for rank 0),
 PULL and SNAPSHOT (a request for this worker's published snapshot, and the answer), REPLICA
-(a copy of a replica for rank 0's consensus measurement).
+(a copy of a replica for rank 0's consensus measurement), CHECKPOINT (save at step `step`).
 
 Published snapshots: `publish` makes a tensor the one this worker serves. The receive thread
 that reads a peer's PULL answers it at once with the latest snapshot (or, before the first
@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from ako.strategies.ops import Message, PeerLost
 
-STOP, CLOSE, PROBE, REPORT, FINAL, PULL, SNAPSHOT, REPLICA = -1, -2, -3, -4, -5, -6, -7, -8
+STOP, CLOSE, PROBE, REPORT, FINAL, PULL, SNAPSHOT, REPLICA, CHECKPOINT = -1, -2, -3, -4, -5, -6, -7, -8, -9
 _HEADER_TAG, _PAYLOAD_TAG = 1, 2
 _FOREVER = timedelta(days=365)
 _SETTLE_AFTER = 0.5  # seconds after which a send to a live peer has been taken
@@ -62,8 +62,11 @@ class Mailbox:
     (40 bytes a message) are left out.
     """
 
-    def __init__(self, rank: int, peers: list[int], group, timeout: float, on_stop: Callable[[], None]):
-        self.rank, self.peers, self.group, self.on_stop = rank, peers, group, on_stop
+    def __init__(
+        self, rank: int, peers: list[int], group, timeout: float,
+        on_stop: Callable[[], None], on_checkpoint: Callable[[int], None] = lambda step: None,
+    ):  # fmt: skip
+        self.rank, self.peers, self.group, self.on_stop, self.on_checkpoint = rank, peers, group, on_stop, on_checkpoint
         self.timeout = timeout
         self.queues: dict[int, deque[Message]] = {}
         self.lost: dict[int, str] = {}
@@ -243,6 +246,9 @@ class Mailbox:
                     _receive(payload, peer, self.group, _PAYLOAD_TAG)
                 if tag == STOP:
                     self.on_stop()
+                    continue
+                if tag == CHECKPOINT:
+                    self.on_checkpoint(step)
                     continue
                 if tag == PULL:
                     self._serve(peer)

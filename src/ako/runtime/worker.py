@@ -3,11 +3,14 @@ rank 0) the evaluations that make the metrics log and the progress bar."""
 
 from __future__ import annotations
 
+import json
+import math
 import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from tqdm import tqdm
@@ -20,6 +23,7 @@ from ako.replica import Replica
 from ako.runtime.consensus import ReplicaExchange, consensus_distance
 
 _SNAPSHOT_BYTES = 256 << 20
+_CALL_AHEAD = 0.2  # seconds of steps between calling for a checkpoint and taking it: the call must arrive first
 
 
 class Clock:
@@ -30,9 +34,11 @@ class Clock:
         self.start = time.perf_counter()
         self.paused = 0.0
         self.stopped: float | None = None
+        self.pausing: float | None = None  # when the current pause began
 
-    def begin(self) -> None:
-        self.start, self.paused, self.stopped = time.perf_counter(), 0.0, None
+    def begin(self, already: float = 0.0) -> None:
+        """Start counting, from `already` seconds (a resumed run's training seconds so far)."""
+        self.start, self.paused, self.stopped = time.perf_counter() - already, 0.0, None
 
     def stop(self) -> None:
         """Freeze the clock at the end of training (later evaluations do not move it)."""
@@ -42,16 +48,35 @@ class Clock:
         return (self.stopped or time.perf_counter()) - self.start
 
     def now(self) -> float:
+        """Training seconds; inside a pause, as at its start."""
+        if self.pausing is not None and self.stopped is None:
+            return self.pausing - self.start - self.paused
         return self.wall() - self.paused
 
     @contextmanager
     def pause(self):
-        t = time.perf_counter()
+        if self.pausing is not None:  # nested: the outer pause counts
+            yield
+            return
+        self.pausing = time.perf_counter()
         try:
             yield
         finally:
             if self.stopped is None:
-                self.paused += time.perf_counter() - t
+                self.paused += time.perf_counter() - self.pausing
+            self.pausing = None
+
+
+class Checkpointer(Protocol):
+    """What `WorkerState` needs from a runtime to take checkpoints (`ako.runtime.checkpoint`)."""
+
+    every: float  # seconds of training between checkpoints
+
+    def announce(self, point: int) -> None:
+        """Rank 0: tell every other rank to save at step `point`."""
+
+    def save(self, point: int) -> None:
+        """Save this rank's state as its part of the checkpoint at step `point`."""
 
 
 @dataclass
@@ -79,6 +104,10 @@ class WorkerState:
     With `consensus` (decentralised strategies), every worker hands rank 0 a copy of its
     replica at the same steps, and rank 0's records also hold the consensus distance of the
     replicas and the test loss and accuracy of their average (see `ako.runtime.consensus`).
+
+    With a `checkpointer`, rank 0 calls for a checkpoint every `checkpointer.every` seconds of
+    training, at a step a little ahead, and each worker saves when it gets there (the runtime
+    sets `checkpoint_at` when rank 0's call arrives); rank 0 first logs its evaluations.
     """
 
     def __init__(
@@ -94,8 +123,13 @@ class WorkerState:
         traffic: Callable[[], tuple[int, int]],
         on_target: Callable[[], None],
         consensus: ReplicaExchange | None = None,
+        checkpointer: Checkpointer | None = None,
     ):
         self.config, self.rank, self.world_size = config, rank, world_size
+        self.checkpointer = checkpointer
+        self.checkpoint_at: int | None = None  # the step of the checkpoint called for, if any
+        self.next_checkpoint = checkpointer.every if checkpointer is not None else math.inf
+        self.resumed = (0, 0.0)  # (step, training seconds) this process started from
         self.consensus = consensus
         self.train_set, self.test_set, self.replica = train_set, test_set, replica
         self.clock, self.log, self.traffic, self.on_target = clock, log, traffic, on_target
@@ -150,6 +184,8 @@ class WorkerState:
         return 0 if len(self.waiting) == 0 else int(self.step - self.waiting_since.min())
 
     def _before_step(self) -> None:
+        if self.checkpointer is not None:
+            self._checkpoint()
         if self.step % self.eval_steps == 0:
             if self.log is not None:
                 self.snapshot()
@@ -159,6 +195,46 @@ class WorkerState:
         if self.snapshots and self.snapshots[0].accuracy is not None:  # evaluated, awaiting the others' replicas
             with self.clock.pause():
                 self._log_ready(final=False)
+
+    def _checkpoint(self) -> None:
+        now = self.clock.now()
+        if self.rank == 0 and self.checkpoint_at is None and now >= self.next_checkpoint:
+            step_seconds = (now - self.resumed[1]) / max(1, self.step - self.resumed[0])
+            self.checkpoint_at = self.step + max(2, math.ceil(_CALL_AHEAD / max(step_seconds, 1e-6)))
+            self.next_checkpoint = now + self.checkpointer.every
+            self.checkpointer.announce(self.checkpoint_at)
+        if self.checkpoint_at is not None and self.step >= self.checkpoint_at:
+            point, self.checkpoint_at = self.checkpoint_at, None
+            with self.clock.pause():
+                if self.log is not None:  # what is evaluated by now is in metrics.jsonl
+                    self.evaluate_snapshots()
+                self.checkpointer.save(point)
+
+    def state_dict(self) -> dict:
+        """This worker's place in the run, for a checkpoint: step, samples, A-BSP's waiting
+        samples, straggler draws, torch's RNG, training and wall seconds."""
+        return {
+            "step": self.step,
+            "samples": self.samples,
+            "taken": self.taken,
+            "waiting": self.waiting.clone(),
+            "waiting_since": self.waiting_since.clone(),
+            "slowdown_rng": json.dumps(self.slowdown.rng.bit_generator.state),
+            "torch_rng": torch.get_rng_state(),
+            "seconds": self.clock.now(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a checkpoint's `state_dict`; the runtime starts the clock from
+        `resumed[1]` seconds."""
+        self.step, self.samples, self.taken = int(state["step"]), int(state["samples"]), int(state["taken"])
+        self.waiting, self.waiting_since = state["waiting"], state["waiting_since"]
+        self.slowdown.rng.bit_generator.state = json.loads(state["slowdown_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        self.resumed = (self.step, float(state["seconds"]))
+        self.next_checkpoint = self.resumed[1] + (self.checkpointer.every if self.checkpointer else math.inf)
+        if self.bar is not None:
+            self.bar.update(self.step)
 
     def computed(self, loss: float) -> None:
         """Called after each gradient: moves the progress bar (rank 0)."""

@@ -14,7 +14,7 @@ def _server_strategy(name, worker, server, summarise=paramserver.summarise, **kw
 
 STRATEGIES: dict[str, Strategy] = {
     "allreduce": Strategy("allreduce", allreduce.worker, decentralised=False),
-    "ako": Strategy("ako", ako.worker, decentralised=True, check=ako.check),
+    "ako": Strategy("ako", ako.worker, decentralised=True, check=ako.check, survives_loss=True),
     "gossip": Strategy("gossip", gossip.worker, decentralised=True, survives_loss=True),
     "bsp": _server_strategy("bsp", paramserver.gradient_worker, bsp.server),
     "ssp": _server_strategy("ssp", paramserver.gradient_worker, ssp.ssp_server),

@@ -21,8 +21,9 @@ from ako.strategies.paramserver import PUSH, STOP, Shard, pack, pull, push, unpa
 
 def worker(ctx):
     """A-BSP worker program; its facts: the mean fraction of its assignment it handed in per
-    iteration, and the greatest age (iterations) a waiting sample reached."""
-    handed_in, oldest, t = 0.0, 0, 0
+    iteration, and the greatest age (iterations) a waiting sample reached. Iterations are
+    numbered as the server's versions, from the step a resumed run starts at."""
+    handed_in, oldest, t = 0.0, 0, ctx.resumed_step
     while True:
         part = yield ComputePartial(ctx.config.micro_batch, STOP, t)
         whole = part.samples == part.assigned
@@ -33,7 +34,7 @@ def worker(ctx):
         oldest = max(oldest, part.oldest)
         t += 1
         if finish:
-            return {"steps": t, "handed_in": round(handed_in / t, 4), "oldest_waiting": oldest}
+            return {"steps": t, "handed_in": round(handed_in / (t - ctx.resumed_step), 4), "oldest_waiting": oldest}
 
 
 def server(sctx):
@@ -49,7 +50,7 @@ def server(sctx):
             count += samples
             finish |= bool(vote)
             pushed.add(m.src)
-            shard.seen(0)
+            shard.seen(shard.version)
             if whole and not told:  # the first whole assignment ends the iteration
                 told = True
                 for w in sctx.workers:

@@ -13,6 +13,9 @@ applies exactly sum_j g_j / n on every replica: all-reduce SGD.
 Staleness bound s: after sending step t a worker waits until every peer has sent step t - s,
 and it applies partial gradients from peers' steps <= t + s (later ones wait in its inbox), so
 s = 0 is lock-step. With no bound it applies whatever has arrived.
+
+A worker that dies is dropped: the others stop waiting for it, keep what it sent before, and
+carry on (Ako has no single point of failure; what it had not sent yet is lost with it).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import math
 import torch
 
 from ako.config import ConfigError
-from ako.strategies.ops import AllReduce, Compute, MeasureBandwidth, MeasureStep, Message, Poll, Recv, Send
+from ako.strategies.ops import AllReduce, Compute, MeasureBandwidth, MeasureStep, Message, PeerLost, Poll, Recv, Send
 from ako.strategies.partition import auto_partitions, partition_bounds
 
 TAG = 0  # partial gradients and the final flush
@@ -46,7 +49,7 @@ def worker(ctx):
         acc[lo:hi].zero_()
         if s is not None:
             while inbox.slowest() < t - s:
-                inbox.add((yield Recv(TAG)))
+                yield from receive(inbox)
         for message in (yield Poll(TAG)):
             inbox.add(message)
         update.copy_(g.grad)
@@ -57,12 +60,20 @@ def worker(ctx):
             break
     yield from send_to_peers(ctx, acc, step=t, aux=FLUSH)
     while not inbox.all_flushed():
-        inbox.add((yield Recv(TAG)))
+        yield from receive(inbox)
     update.zero_()
     inbox.apply(update, up_to=None)
     if update.any():  # nothing left (p = 1, lock-step) means no extra optimizer step
         replica.step(update.div_(n))
     return {"steps": t, "partitions": p, "partitions_reason": reason}
+
+
+def receive(inbox):
+    """Wait for one partial gradient and file it; a peer found dead is dropped instead."""
+    try:
+        inbox.add((yield Recv(TAG)))
+    except PeerLost as lost:
+        inbox.drop(lost.rank)
 
 
 def check(config, numel: int) -> None:
@@ -116,8 +127,13 @@ class Inbox:
         self.pending.append(message)
         if message.aux == FLUSH:
             self.flushed.add(message.src)
-        else:
+        elif message.src in self.last_step:  # not from a peer dropped since it was sent
             self.last_step[message.src] = max(self.last_step[message.src], message.step)
+
+    def drop(self, peer: int) -> None:
+        """`peer` died: wait for nothing more from it (what it sent stays to be applied)."""
+        self.last_step.pop(peer, None)
+        self.flushed.discard(peer)
 
     def slowest(self) -> float:
         """The lowest step heard from any peer still training (-1 before any, inf when none)."""
@@ -126,7 +142,7 @@ class Inbox:
 
     def all_flushed(self) -> bool:
         """Whether every peer has sent its final flush."""
-        return len(self.flushed) == len(self.last_step)
+        return self.flushed >= self.last_step.keys()
 
     def apply(self, update: torch.Tensor, up_to: int | None) -> None:
         """Add into `update` every pending message from steps <= up_to (all when None)."""

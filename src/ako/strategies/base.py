@@ -29,6 +29,7 @@ class WorkerContext:
     config: TrainConfig
     should_stop: Callable[[], bool]
     servers: list[int] = field(default_factory=list)  # the parameter servers' ranks, if any
+    resumed_step: int = 0  # the step a resumed run starts from (0: a fresh run)
 
     @property
     def stopping(self) -> bool:
@@ -44,7 +45,9 @@ class WorkerContext:
 class ServerContext:
     """A parameter server's view of the run. Server `index` (of `len(servers)`) owns the
     parameters [lo, hi) of the flat vector; `replica` holds the initial parameters (every rank
-    builds one). `workers` are the workers' ranks."""
+    builds one). `workers` are the workers' ranks. `restored`: the server's state from a
+    checkpoint when the run resumes (its `Shard.state_dict`); `on_update(shard)` is called
+    after every update (the runtime saves checkpoints there)."""
 
     rank: int
     index: int
@@ -52,6 +55,8 @@ class ServerContext:
     workers: list[int]
     replica: Replica
     config: TrainConfig
+    restored: dict | None = None
+    on_update: Callable[[Any], None] = lambda shard: None
 
 
 @dataclass(frozen=True)

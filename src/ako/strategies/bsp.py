@@ -25,7 +25,7 @@ def server(sctx):
             vote, version = unpack(m.aux, 1, 40)
             total.add_(m.tensor)
             finish |= bool(vote)
-            shard.seen(shard.version - version)
+            shard.seen(version)
         shard.apply(total.div_(len(sctx.workers)))
         for worker in sctx.workers:
             yield from shard.reply(worker, finish)

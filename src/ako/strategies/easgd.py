@@ -66,7 +66,7 @@ def server(sctx):
         (vote,) = unpack(m.aux, 1)
         d = m.tensor.sub_(shard.params).mul_(alpha)
         shard.params.add_(d)
-        shard.version += 1
+        shard.updated()
         yield Send(d, m.src, PULL, shard.version, vote)
         if vote:
             running.discard(m.src)

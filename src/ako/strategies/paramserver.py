@@ -82,7 +82,8 @@ class Shard:
     by the server's own optimizer; `version` counts the updates applied; staleness (in
     updates) of the gradients applied is tallied for the summary. `per_push`: how many
     updates make one iteration (n when each push is applied on its own), which divides the
-    weight decay."""
+    weight decay. A resumed run's shard starts from `sctx.restored` (its `state_dict`), and
+    every update is reported to `sctx.on_update` (the runtime's checkpoints)."""
 
     def __init__(self, sctx, per_push: int = 1):
         c = sctx.config
@@ -91,16 +92,28 @@ class Shard:
         # `per_push` updates make one iteration's worth: weight decay is shared among them
         optim = OptimizerConfig(c.lr, c.momentum, c.nesterov, c.weight_decay / per_push)
         self.optimizer = FlatSGD(self.params, optim)
-        self.version = 0
+        self.version = self.resumed = 0
         self.staleness_sum = self.staleness_count = self.staleness_max = 0
+        self.on_update = sctx.on_update
+        if sctx.restored is not None:
+            self.load_state_dict(sctx.restored)
 
     def apply(self, grad: torch.Tensor) -> None:
         """One optimizer step with `grad` (hi - lo,)."""
         self.optimizer.step(grad)
-        self.version += 1
+        self.updated()
 
-    def seen(self, staleness: int) -> None:
-        """Tally the staleness of one gradient applied."""
+    def updated(self) -> None:
+        """Count an update of `params`, made by `apply` or by the server program itself."""
+        self.version += 1
+        self.on_update(self)
+
+    def seen(self, version: int) -> None:
+        """Tally the staleness of one gradient applied, computed on parameters of `version`
+        (not known for the versions a worker held before a resume: not tallied)."""
+        if version < self.resumed:
+            return
+        staleness = self.version - version
         self.staleness_sum += staleness
         self.staleness_count += 1
         self.staleness_max = max(self.staleness_max, staleness)
@@ -108,6 +121,21 @@ class Shard:
     def reply(self, worker: int, finish: bool):
         """Send `worker` this shard's current parameters and whether it must finish."""
         yield Send(self.params.clone(), worker, PULL, self.version, int(finish))
+
+    def state_dict(self) -> dict:
+        """The shard's parameters, optimizer state, version and tallies, for a checkpoint."""
+        return {
+            "params": self.params.detach().cpu().clone(),
+            "optimizer": self.optimizer.state_dict(),
+            **{k: getattr(self, k) for k in ("version", "staleness_sum", "staleness_count", "staleness_max")},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.params.copy_(state["params"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for key in ("version", "staleness_sum", "staleness_count", "staleness_max"):
+            setattr(self, key, int(state[key]))
+        self.resumed = self.version
 
     def facts(self) -> dict:
         return {

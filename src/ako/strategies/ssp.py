@@ -49,7 +49,7 @@ def server(sctx, bound: int | None):
             held.pop(lost.rank, None)
         else:
             vote, version = unpack(m.aux, 1, 40)
-            shard.seen(shard.version - version)
+            shard.seen(version)
             shard.apply(m.tensor.div_(n))
             clock[m.src] = m.step + 1
             if vote:

@@ -1,0 +1,135 @@
+"""Checkpoints: every rank's training state at one point of a run, so that the run can go on
+after a failure (`ako train --resume RUN_DIR`, or a restart under `torchrun --max-restarts`).
+
+Layout: RUN_DIR/checkpoints/<step>/rank<r>.pt, one file per rank (worker or server), written
+atomically (a temporary file, then a rename) by `torch.save` and read by
+`torch.load(weights_only=True)`, which unpickles tensors, numbers, strings, lists and dicts
+only. A checkpoint is complete when every rank's file is in; a run resumes from the latest
+complete one. Each rank keeps its last two files, and its file of the latest complete one. The run directory must be one that every
+rank can reach (one machine, or a shared file system).
+
+When: every `--checkpoint-every` seconds of training, rank 0 picks a step T a little ahead
+(a fifth of a second of its steps, at least 2, so its message reaches every rank first) and tells
+every rank. A worker saves at its first step boundary at or after T, a server at its first
+update at or after version T. Under the synchronous strategies (allreduce, bsp, absp) every
+rank is then at the same iteration, so a resumed run continues exactly where it was; under the
+others, each rank's state is its own at about that time.
+
+What: a worker's replica (parameters and optimizer state) and `WorkerState.state_dict` (its
+place in the data, straggler draws, RNG, training seconds); a server's shard (`Shard`);
+both with the bytes moved so far. Not saved: state a strategy program keeps between steps
+(Ako's accumulated gradient not yet sent, messages in flight), which starts empty again.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import zipfile
+from pathlib import Path
+
+import torch
+
+from ako.config import ConfigError
+
+FORMAT = 1
+_KEEP = 2
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be read or does not fit the run (one line, exit status 2)."""
+
+
+def directory(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def path(run_dir: str | os.PathLike, point: int, rank: int) -> Path:
+    """The file of rank `rank` in the checkpoint at step `point`."""
+    return directory(run_dir) / f"{point:09d}" / f"rank{rank}.pt"
+
+
+def save(run_dir: str | os.PathLike, point: int, rank: int, world: int, state: dict) -> None:
+    """Write rank `rank`'s `state` for step `point` atomically. Of its older files it keeps
+    the last `_KEEP` and its part of the latest complete checkpoint (of `world` ranks)."""
+    target = path(run_dir, point, rank)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        torch.save({"format": FORMAT, "point": point, "rank": rank, **state}, tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    complete = latest(run_dir, world)
+    mine = sorted(directory(run_dir).glob(f"*/rank{rank}.pt"))
+    for old in mine[:-_KEEP]:
+        if int(old.parent.name) == complete:
+            continue
+        old.unlink(missing_ok=True)
+        try:
+            old.parent.rmdir()
+        except OSError:  # other ranks' files are still in it
+            pass
+
+
+def _points(run_dir: str | os.PathLike) -> list[int]:
+    """The steps of the checkpoints in `run_dir`, newest first."""
+    return sorted((int(d.name) for d in directory(run_dir).glob("[0-9]*") if d.name.isdigit()), reverse=True)
+
+
+def _complete(run_dir: str | os.PathLike, point: int, world: int) -> bool:
+    return all(path(run_dir, point, r).is_file() for r in range(world))
+
+
+def latest(run_dir: str | os.PathLike, world: int) -> int | None:
+    """The step of the latest checkpoint that has every one of `world` ranks' files, or None."""
+    return next((p for p in _points(run_dir) if _complete(run_dir, p, world)), None)
+
+
+def load(run_dir: str | os.PathLike, point: int, rank: int) -> dict:
+    """Rank `rank`'s state at step `point`. Raises CheckpointError when it cannot be read."""
+    file = path(run_dir, point, rank)
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {str(file)!r}: not found") from None
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {str(file)!r}: cannot read it ({reason[:200]})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {str(file)!r}: not an ako checkpoint (format {FORMAT})")
+    return state
+
+
+_CONTENTS = {"worker": ("params", "optimizer", "worker", "bytes"), "server": ("shard", "bytes")}
+
+
+def check(state: dict, expected: dict, file: str, contents: bool = False) -> None:
+    """Raise CheckpointError naming the first field of `expected` that `state` differs in
+    (and, with `contents`, the first part of a worker's or server's state it lacks)."""
+    if contents:
+        missing = [k for k in _CONTENTS.get(state.get("role"), ("role",)) if k not in state]
+        if missing:
+            raise CheckpointError(f"checkpoint {file!r}: incomplete, it has no {missing[0]!r}")
+    for key, want in expected.items():
+        if state.get(key) != want:
+            raise CheckpointError(
+                f"checkpoint {file!r}: written by a run with {key} {state.get(key)!r}, not {want!r}; "
+                "resume with the settings it was written with"
+            )
+
+
+def find(run_dir: str | os.PathLike, expected: dict) -> int:
+    """The step of `run_dir`'s latest complete checkpoint (complete for the world size it was
+    written by), after checking that rank 0's file reads and fits `expected`. Raises
+    CheckpointError."""
+    for point in _points(run_dir):
+        if not path(run_dir, point, 0).is_file():
+            continue
+        state = load(run_dir, point, 0)
+        world = state.get("world")
+        if isinstance(world, int) and _complete(run_dir, point, world):
+            check(state, expected, str(path(run_dir, point, 0)))
+            return point
+    raise CheckpointError(f"resume {str(run_dir)!r}: no complete checkpoint in it (one file per rank)")

@@ -1,0 +1,91 @@
+"""Checkpoint files: written atomically, read with weights_only=True, and a checkpoint that
+cannot be read or does not fit the run is refused with one line (exit status 2) before any
+process starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import small_config
+
+from ako.cli import main
+from ako.config import to_toml
+from ako.runtime import checkpoint
+from ako.runtime.job import Job
+
+
+class Payload:
+    """Not a tensor, number, string, list or dict: weights_only=True refuses to unpickle it."""
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run directory as a 2-worker `ako train --checkpoint-every` leaves it: its config and a
+    complete checkpoint at step 7 that fits it."""
+    config = small_config(tmp_path, strategy="allreduce", checkpoint_every="1s")
+    job = Job(config)
+    numel = job.build_replica(job.load_data(), torch.device("cpu")).numel
+    path = tmp_path / "runs" / "run"
+    path.mkdir(parents=True)
+    (path / "config.toml").write_text(to_toml(config))
+    for rank in range(2):
+        checkpoint.save(path, 7, rank, 2, {**job.identity(numel), "role": "worker"})  # contents not needed here
+    return path
+
+
+def resume(run_dir, capsys, *flags):
+    code = main(["train", "--resume", str(run_dir), *flags])
+    return code, capsys.readouterr().err
+
+
+def test_a_fitting_checkpoint_is_found(run_dir):
+    assert checkpoint.latest(run_dir, 2) == 7
+    assert checkpoint.load(run_dir, 7, 1)["rank"] == 1
+    assert [p.name for p in run_dir.rglob("*") if p.name.startswith(".")] == []  # no temporary files
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--workers", "3"], "written by a run with world 2, not 3"),
+        (["--model", "mlp"], "written by a run with model 'cnn', not 'mlp'"),
+        (["--strategy", "gossip"], "written by a run with strategy 'allreduce', not 'gossip'"),
+    ],
+)
+def test_a_checkpoint_of_another_run_is_refused(run_dir, capsys, flags, message):
+    code, err = resume(run_dir, capsys, *flags)
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_a_corrupt_checkpoint_is_refused(run_dir, capsys):
+    checkpoint.path(run_dir, 7, 0).write_bytes(b"not a checkpoint")
+    code, err = resume(run_dir, capsys)
+    assert code == 2 and err.count("\n") == 1 and "rank0.pt': cannot read it" in err, err
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(run_dir, capsys):
+    torch.save({"format": checkpoint.FORMAT, "payload": Payload()}, checkpoint.path(run_dir, 7, 0))
+    code, err = resume(run_dir, capsys)
+    assert code == 2 and err.count("\n") == 1 and "cannot read it (Weights only load failed" in err, err
+
+
+def test_an_incomplete_checkpoint_is_not_resumed(run_dir, capsys):
+    checkpoint.path(run_dir, 7, 1).unlink()
+    code, err = resume(run_dir, capsys)
+    assert code == 2 and err.count("\n") == 1 and "no complete checkpoint in it" in err, err
+
+
+def test_a_failed_write_leaves_no_file(tmp_path):
+    with pytest.raises(Exception):
+        checkpoint.save(tmp_path, 3, 0, 1, {"unpicklable": lambda: None})
+    assert list(tmp_path.rglob("*.pt")) == [] and list(tmp_path.rglob(".*")) == []
+
+
+def test_each_rank_keeps_two_files_and_the_latest_complete_checkpoint(tmp_path):
+    checkpoint.save(tmp_path, 1, 1, 2, {})
+    checkpoint.save(tmp_path, 1, 0, 2, {})  # step 1 is complete
+    for point in (2, 3, 4):  # rank 1 is gone: later checkpoints stay incomplete
+        checkpoint.save(tmp_path, point, 0, 2, {})
+    kept = sorted(str(p.relative_to(tmp_path / "checkpoints")) for p in tmp_path.rglob("*.pt"))
+    assert kept == ["000000001/rank0.pt", "000000001/rank1.pt", "000000003/rank0.pt", "000000004/rank0.pt"]
+    assert checkpoint.latest(tmp_path, 2) == 1

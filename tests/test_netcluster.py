@@ -1,0 +1,42 @@
+"""The multi-host test bed (`scripts/netcluster`): 2 hosts as network namespaces on a bridge,
+links limited to 10 Mbit/s each way with 2 ms of added delay, `torchrun` with the c10d
+rendezvous on each. The limit is real: every all-reduce step must move its bytes through it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "netcluster"
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root for network namespaces and tc (CI machines have it)"
+    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
+        return "`ip netns` does not work on this machine"
+    return None
+
+
+@pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
+def test_two_hosts_over_a_limited_delayed_link(tmp_path):
+    rate = 10e6 / 8  # bytes/s
+    cmd = [sys.executable, str(SCRIPT), "--hosts", "2", "--rate", "10mbit", "--delay", "2ms", "--timeout", "240", "--",
+           "--strategy", "allreduce", "--dataset", "digits", "--batch-size", "32", "--epochs", "2",
+           "--eval-every", "1", "--out-dir", str(tmp_path), "--no-progress"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    summary = json.loads(next(tmp_path.glob("*/summary.json")).read_text())
+    assert summary["workers"] == 2 and summary["test_accuracy"] > 0.3
+    # each step's ring all-reduce sends 2 (n-1)/n x 22 602 x 4 bytes (+ the stop vote) each way
+    step_bytes = (22_602 + 1) * 4
+    assert summary["bytes_sent_per_worker_per_second"] <= rate
+    assert summary["train_seconds"] >= summary["iterations"] * step_bytes / rate
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "ako-" not in namespaces  # removed afterwards
