@@ -6,7 +6,7 @@ accuracy and bytes per worker per second, side by side. Needs root.
 All hosts share this machine's cores: with 2 cores and 4 or 5 processes, compute is shared
 too, so the table compares the strategies on these links, not on 4 dedicated machines.
 
-    sudo .venv/bin/python benchmarks/netcluster.py [--rate 100mbit] [--epochs 2] [--workers 4]
+    .venv/bin/python benchmarks/netcluster.py   # as root [--rate 100mbit] [--epochs 2] [--workers 4]
 """
 
 from __future__ import annotations

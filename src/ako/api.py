@@ -93,7 +93,7 @@ def simulate(
     data = job.check()
     sps, shared = config.seconds_per_sample, ()
     if config.profile is not None:
-        profile = load_profile(config.profile, config)
+        profile = load_profile(config.profile, config, data.name)
         sps = float(profile["seconds_per_sample"]) if sps is None else sps
         shared = tuple(float(t) for t in profile.get("shared_seconds_per_sample", ()))
     if sps is None:

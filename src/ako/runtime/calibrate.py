@@ -111,9 +111,10 @@ def calibrate(config: TrainConfig, out: str | None = None, repeats: int = 20, pr
     return profile
 
 
-def load_profile(path: str, config: TrainConfig) -> dict:
+def load_profile(path: str, config: TrainConfig, dataset: str | None = None) -> dict:
     """Read a profile written by `calibrate`; raise ConfigError when it cannot be read, lacks
-    seconds_per_sample, or was measured for another model or batch size than `config`'s."""
+    seconds_per_sample, or was measured for another model, batch size or data set (`dataset`,
+    the one the run loaded) than `config`'s."""
     try:
         with open(path, "rb") as f:
             profile = tomllib.load(f)
@@ -127,11 +128,12 @@ def load_profile(path: str, config: TrainConfig) -> dict:
     shared = profile.get("shared_seconds_per_sample", [])
     if not isinstance(shared, list) or not all(_time(t) for t in shared):
         raise ConfigError(f"profile {path!r}: shared_seconds_per_sample must be a list of numbers >= 0")
-    for key in ("model", "batch_size"):
-        if key in profile and profile[key] != getattr(config, key):
+    wanted = {"model": config.model, "batch_size": config.batch_size, "dataset": dataset or config.dataset}
+    for key, value in wanted.items():
+        if key in profile and profile[key] != value:
             raise ConfigError(
-                f"profile {path!r}: measured for {key} {profile[key]!r}, not {getattr(config, key)!r}; "
-                f"run ako calibrate --{key.replace('_', '-')} {getattr(config, key)}"
+                f"profile {path!r}: measured for {key} {profile[key]!r}, not {value!r}; "
+                f"run ako calibrate --{key.replace('_', '-')} {value}"
             )
     return profile
 

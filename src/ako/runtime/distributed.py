@@ -482,7 +482,10 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         if log is not None:
             log.resume(state.resumed[1])
     runtime.barrier()  # start the clocks together
-    runtime.clock.begin(state.resumed[1] if state is not None else 0.0)
+    if state is not None:
+        runtime.clock.begin(state.resumed[1], state.resumed_wall)
+    else:
+        runtime.clock.begin()
     facts = runtime.run(program, ctx, state)
     runtime.clock.stop()
     final = replica.params if strategy.decentralised and state is not None else None

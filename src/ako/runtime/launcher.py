@@ -160,7 +160,7 @@ class _Group:
                 if code is None:
                     continue
                 running.discard(rank)
-                if code == 0 and rank in self.results:
+                if rank in self.results:  # it finished its part: dying in teardown fails nothing
                     continue
                 lost[rank] = _exit_status(code) if code else "exited without a result"
                 if rank not in survivable:

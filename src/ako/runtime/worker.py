@@ -36,9 +36,11 @@ class Clock:
         self.stopped: float | None = None
         self.pausing: float | None = None  # when the current pause began
 
-    def begin(self, already: float = 0.0) -> None:
-        """Start counting, from `already` seconds (a resumed run's training seconds so far)."""
-        self.start, self.paused, self.stopped = time.perf_counter() - already, 0.0, None
+    def begin(self, already: float = 0.0, wall: float | None = None) -> None:
+        """Start counting, from `already` training seconds and `wall` wall seconds (a resumed
+        run's so far; `wall` defaults to `already`)."""
+        wall = already if wall is None else wall
+        self.start, self.paused, self.stopped = time.perf_counter() - wall, wall - already, None
 
     def stop(self) -> None:
         """Freeze the clock at the end of training (later evaluations do not move it)."""
@@ -130,6 +132,7 @@ class WorkerState:
         self.checkpoint_at: int | None = None  # the step of the checkpoint called for, if any
         self.next_checkpoint = checkpointer.every if checkpointer is not None else math.inf
         self.resumed = (0, 0.0)  # (step, training seconds) this process started from
+        self.resumed_wall = 0.0
         self.consensus = consensus
         self.train_set, self.test_set, self.replica = train_set, test_set, replica
         self.clock, self.log, self.traffic, self.on_target = clock, log, traffic, on_target
@@ -222,6 +225,7 @@ class WorkerState:
             "slowdown_rng": json.dumps(self.slowdown.rng.bit_generator.state),
             "torch_rng": torch.get_rng_state(),
             "seconds": self.clock.now(),
+            "wall": self.clock.wall(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -232,6 +236,7 @@ class WorkerState:
         self.slowdown.rng.bit_generator.state = json.loads(state["slowdown_rng"])
         torch.set_rng_state(state["torch_rng"])
         self.resumed = (self.step, float(state["seconds"]))
+        self.resumed_wall = float(state["wall"])
         self.next_checkpoint = self.resumed[1] + (self.checkpointer.every if self.checkpointer else math.inf)
         if self.bar is not None:
             self.bar.update(self.step)
