@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -76,6 +77,12 @@ def save(run_dir: str | os.PathLike, point: int, rank: int, world: int, state: d
 def _points(run_dir: str | os.PathLike) -> list[int]:
     """The steps of the checkpoints in `run_dir`, newest first."""
     return sorted((int(d.name) for d in directory(run_dir).glob("[0-9]*") if d.name.isdigit()), reverse=True)
+
+
+def drop_after(run_dir: str | os.PathLike, point: int) -> None:
+    """Delete the checkpoints after step `point` (a resumed run goes on from `point`)."""
+    for later in (p for p in _points(run_dir) if p > point):
+        shutil.rmtree(directory(run_dir) / f"{later:09d}", ignore_errors=True)
 
 
 def _complete(run_dir: str | os.PathLike, point: int, world: int) -> bool:

@@ -516,8 +516,9 @@ def _run_dir(job: Job, data, rank: int, store: dist.Store, runtime: DistributedR
             point = checkpoint.latest(run_dir, identity["world"])
         else:
             run_dir, point = _open_run_dir(config, job.strategy.name, data), None
-        if point is not None:
-            write_atomic(run_dir / "config.toml", to_toml(config))
+        if point is not None:  # checkpoints after `point` belong to the abandoned run: drop them
+            checkpoint.drop_after(run_dir, point)
+            write_atomic(run_dir / "config.toml", to_toml(replace(config, resume=None)))
             print(f"ako: resuming {run_dir} from its checkpoint at step {point}", file=sys.stderr, flush=True)
         store.set(key, str(run_dir))
     found = runtime.broadcast(torch.tensor([-1 if rank != 0 or point is None else point]))
