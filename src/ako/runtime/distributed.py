@@ -455,14 +455,16 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         runtime.broadcast(replica.params)  # identical replicas, whatever the model factory did
     except (RuntimeError, dist.DistError) as e:
         raise RuntimeError(f"the workers did not all get ready within {config.timeout:g} s: {comm_error(e)}") from None
-    run_dir, point = _run_dir(job, data, rank, store, runtime, job.identity(replica.numel))
+    identity = job.identity(replica.numel)  # what checkpoints of this run must agree with
+    run_dir, point = _run_dir(job, data, rank, store, runtime, identity)
     log = MetricsLog(run_dir / "metrics.jsonl") if rank == 0 else None
     saved = checkpoint.load(run_dir, point, rank) if point is not None else None
     if saved is not None:
-        checkpoint.check(saved, job.identity(replica.numel), str(checkpoint.path(run_dir, point, rank)), contents=True)
+        checkpoint.check(saved, identity, str(checkpoint.path(run_dir, point, rank)), contents=True)
+    checkpointer = None
     if config.checkpoint_every is not None:
-        runtime.run_dir, runtime.every, runtime.identity = run_dir, config.checkpoint_seconds, job.identity(replica.numel)
-    checkpointer = runtime if config.checkpoint_every is not None else None
+        runtime.run_dir, runtime.every, runtime.identity = run_dir, config.checkpoint_seconds, identity
+        checkpointer = runtime
     servers = list(range(n, world))
     if rank < n:
         replicas = MailboxReplicas(runtime.mailbox, n) if strategy.decentralised else None
