@@ -1,10 +1,11 @@
-"""`ako train | simulate | calibrate | info`: parse, validate, call the API. Bad input: one line,
+"""`ako train | simulate | sweep | report | calibrate | info`: parse, validate, call the API. Bad input: one line,
 exit status 2."""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from ako.config import FIELDS, STRATEGIES, ConfigError, TrainConfig, load_toml, validate
@@ -87,7 +88,7 @@ def _add_flags(command: argparse.ArgumentParser, flags: dict) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The `ako` argument parser; every train flag defaults to None so that a config file can fill it."""
     parser = _Parser(prog="ako", description="Data-parallel training without parameter-server bottlenecks.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,simulate,calibrate,info}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,simulate,sweep,report,calibrate,info}")
     train = commands.add_parser("train", help="train a model on N workers", description="Train a model on N workers.")
     simulate = commands.add_parser(
         "simulate",
@@ -109,8 +110,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--processes", type=int, default=1, metavar="N",
         help="also time 2..N processes computing at once: profile this machine as a cluster of N workers sharing its cores",
     )  # fmt: skip
+    sweep = commands.add_parser(
+        "sweep", help="run an experiment grid from a sweep file (resumable)",
+        description="Run every cell of a sweep file's grid (arms x axes x seeds); finished cells are not run again.",
+    )  # fmt: skip
+    sweep.add_argument("file", metavar="SWEEP.toml", help="the sweep file, e.g. experiments/absp-stragglers.toml")
+    sweep.add_argument("--out", metavar="DIR", help="the sweep directory (default: sweeps/<name>)")
+    sweep.add_argument("--jobs", type=_positive, default=1, metavar="N", help="cells run at once, one core each (default 1)")
+    sweep.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: only on a terminal)")
+    report = commands.add_parser("report", help="plots and a Markdown table from a sweep directory")
+    report.add_argument("sweep_dir", metavar="SWEEP_DIR", help="a directory written by ako sweep")
+    report.add_argument("--out", metavar="DIR", help="where to write report.md and the plots (default: SWEEP_DIR/report)")
     commands.add_parser("info", help="list strategies, models and data sets, and where data is found")
     return parser
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 256:
+        raise argparse.ArgumentTypeError(f"jobs {text!r}: must be an integer from 1 to 256")
+    return int(text)
 
 
 def config_from_args(args: argparse.Namespace, simulated: bool = False) -> TrainConfig:
@@ -184,6 +202,44 @@ def cmd_simulate(config: TrainConfig) -> int:
     return 0
 
 
+def cmd_sweep(file: str, out: str | None, jobs: int, progress: bool | None) -> int:
+    """`ako sweep`: 0 when every cell finished, 1 when some failed (listed), 2 for bad input."""
+    from pathlib import Path
+
+    from ako.sweep import SweepFailed, load_sweep, run_sweep
+
+    sweep = load_sweep(file)
+    where = Path(out or os.path.join("sweeps", sweep.name))
+    before = signal.signal(signal.SIGTERM, _interrupt)  # stop the running cells, as Ctrl-C does
+    try:
+        failed = run_sweep(sweep, where, jobs, progress)
+    except SweepFailed as e:
+        raise ConfigError(str(e)) from None
+    except KeyboardInterrupt:
+        print(f"ako: interrupted; run the same command again to finish {where}", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    for cell, line in failed:
+        print(f"ako: cell {cell.name} failed: {line} (log: {where / 'cells' / cell.name / 'log.txt'})", file=sys.stderr)
+    print(f"ako sweep: {where}: {len(sweep.cells()) - len(failed)} of {len(sweep.cells())} cells finished; "
+          f"ako report {where} makes the plots and table")  # fmt: skip
+    return EXIT_FAILED if failed else 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def cmd_report(sweep_dir: str, out: str | None) -> int:
+    """`ako report`: write report.md and the PNG plots."""
+    from ako.report import write_report
+
+    path = write_report(sweep_dir, out)
+    print(f"ako report: {path}")
+    return 0
+
+
 def cmd_calibrate(config: TrainConfig, out: str | None, processes: int) -> int:
     """`ako calibrate`: measure, write the profile, print it."""
     from ako.api import calibrate
@@ -210,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_info()
         if args.command == "simulate":
             return cmd_simulate(config_from_args(args, simulated=True))
+        if args.command == "sweep":
+            return cmd_sweep(args.file, args.out, args.jobs, args.progress)
+        if args.command == "report":
+            return cmd_report(args.sweep_dir, args.out)
         if args.command == "calibrate":
             return cmd_calibrate(config_from_args(args, simulated=True), args.out, args.processes)
         return cmd_train(config_from_args(args))

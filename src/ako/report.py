@@ -1,0 +1,346 @@
+"""`ako report <sweep dir>`: PNG plots and a Markdown table from a sweep's finished cells.
+
+Per group of cells that differ only in their seed: time to the target accuracy (rank 0's
+replica), final accuracy, accuracy at the sweep's time budget, samples/s, bytes per worker
+per second, each server's bytes in, and the speed-up over the `bsp` arm (paired by seed), as
+mean and standard deviation over the seeds. Plots, as the sweep's axes allow:
+
+- accuracy-vs-time: test accuracy against (virtual) training seconds, one line per arm;
+- time-to-accuracy-vs-workers, bytes-per-worker-vs-workers, accuracy-at-budget-vs-workers;
+- speedup-vs-straggler: time to target of bsp divided by each arm's, against the straggler axis.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ako.config import ConfigError
+from ako.metrics import time_to_accuracy, write_atomic
+from ako.sweep import Cell, Sweep, finished, load_sweep
+
+DEFAULT_TARGET = 0.85
+
+
+@dataclass
+class Result:
+    """One finished cell: its summary, evaluation records and the measures the report uses."""
+
+    cell: Cell
+    summary: dict
+    records: list[dict]
+    measures: dict = field(default_factory=dict)
+
+
+@dataclass
+class Group:
+    """The cells of one arm at one label per axis, across seeds."""
+
+    arm: str
+    labels: tuple[tuple[str, str], ...]  # the axes other than seed
+    results: list[Result]
+
+    def values(self, measure: str) -> list[float]:
+        """The finite values of `measure` over the seeds (a seed that did not reach it is left out)."""
+        return [r.measures[measure] for r in self.results if _finite(r.measures.get(measure))]
+
+
+def write_report(sweep_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write `report.md`, `cells.csv` and the PNG plots for `sweep_dir` into `out` (default
+    `sweep_dir/report`); returns the path of report.md. Raises ConfigError when `sweep_dir` is
+    not a sweep directory or has no finished cell."""
+    sweep_dir = Path(sweep_dir)
+    if not (sweep_dir / "sweep.toml").is_file():
+        raise ConfigError(f"sweep directory {str(sweep_dir)!r}: no sweep.toml in it (not written by ako sweep)")
+    sweep = load_sweep(sweep_dir / "sweep.toml")
+    results = collect(sweep, sweep_dir)
+    if not results:
+        raise ConfigError(f"sweep directory {str(sweep_dir)!r}: no finished cell yet (run ako sweep first)")
+    out = Path(out) if out is not None else sweep_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    groups = group(sweep, results)
+    figures = plots(sweep, groups, out)
+    write_atomic(out / "cells.csv", _csv(sweep, results))
+    write_atomic(out / "report.md", markdown(sweep, groups, figures, len(results)))
+    return out / "report.md"
+
+
+def target_of(sweep: Sweep) -> float:
+    """The accuracy whose time the report measures: [report] target, else the base's target."""
+    return float(sweep.report.get("target") or sweep.base.get("target_accuracy") or DEFAULT_TARGET)
+
+
+def collect(sweep: Sweep, sweep_dir: Path) -> list[Result]:
+    """The finished cells with their measures: tta (seconds to the target), accuracy (final),
+    budget_accuracy (at [report] budget seconds), samples/s, bytes/s per worker, server bytes in/s."""
+    target, budget = target_of(sweep), sweep.report.get("budget")
+    results = []
+    for cell in sweep.cells():
+        run = finished(sweep_dir / "cells" / cell.name, cell)
+        if run is None:
+            continue
+        summary = json.loads((run / "summary.json").read_text())
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+        servers = [s["bytes_in_per_second"] for s in summary.get("per_server", [])]
+        measures = {
+            "tta": time_to_accuracy(records, target),
+            "accuracy": summary["test_accuracy"],
+            "budget_accuracy": None if budget is None else accuracy_at(records, budget),
+            "samples_per_second": summary["samples_per_second"],
+            "bytes_per_worker": summary["bytes_sent_per_worker_per_second"],
+            "server_bytes_in": float(np.mean(servers)) if servers else None,
+            "partitions": summary.get("partitions"),
+        }
+        results.append(Result(cell, summary, records, measures))
+    _speedups(sweep, results)
+    return results
+
+
+def accuracy_at(records: list[dict], seconds: float) -> float | None:
+    """Test accuracy of the last evaluation at or before `seconds` of training (None before any)."""
+    before = [r for r in records if r["time"] <= seconds + 1e-9 and r.get("test_accuracy") is not None]
+    return before[-1]["test_accuracy"] if before else None
+
+
+def baseline_arm(sweep: Sweep) -> str | None:
+    """The arm speed-ups are measured against: the one named bsp, else the first bsp arm."""
+    if "bsp" in sweep.arms:
+        return "bsp"
+    strategy = sweep.base.get("strategy")
+    return next((a for a, s in sweep.arms.items() if s.get("strategy", strategy) == "bsp"), None)
+
+
+def _speedups(sweep: Sweep, results: list[Result]) -> None:
+    """speedup = the baseline's time to target / this cell's, for the same labels (seed too)."""
+    base = baseline_arm(sweep)
+    if base is None:
+        return
+    tta = {r.cell.labels: r.measures["tta"] for r in results if r.cell.arm == base}
+    for r in results:
+        mine, theirs = r.measures["tta"], tta.get(r.cell.labels)
+        r.measures["speedup"] = theirs / mine if _finite(mine) and _finite(theirs) and mine > 0 else None
+
+
+def group(sweep: Sweep, results: list[Result]) -> list[Group]:
+    """Results grouped by arm and every label but the seed, in the sweep's cell order."""
+    groups: dict[tuple, Group] = {}
+    for r in results:
+        labels = tuple((a, v) for a, v in r.cell.labels if a != "seed")
+        key = (labels, r.cell.arm)
+        groups.setdefault(key, Group(r.cell.arm, labels, [])).results.append(r)
+    order = {arm: i for i, arm in enumerate(sweep.arms)}
+    return sorted(groups.values(), key=lambda g: (_label_order(sweep, g.labels), order[g.arm]))
+
+
+def _label_order(sweep: Sweep, labels: tuple) -> tuple:
+    return tuple(list(sweep.axes[a]).index(v) for a, v in labels)
+
+
+# --- the table ----------------------------------------------------------------------------
+
+
+def markdown(sweep: Sweep, groups: list[Group], figures: list[Path], finished_cells: int) -> str:
+    """report.md: what was run, the table, and the plots."""
+    target, budget = target_of(sweep), sweep.report.get("budget")
+    seeds = list(sweep.axes.get("seed", {}))
+    spread = f"mean ± standard deviation over seeds {', '.join(seeds)}" if len(seeds) > 1 else "one seed"
+    lines = [
+        f"# Sweep {sweep.name}",
+        "",
+        f"{finished_cells} of {len(sweep.cells())} cells finished, on the {'simulated' if sweep.runtime == 'simulate' else 'distributed'} "
+        f"runtime ({'virtual' if sweep.runtime == 'simulate' else 'training'} seconds). Figures: {spread}. "
+        f"Time to {target:.0%} is rank 0's replica's test accuracy; a seed that did not reach it is left out "
+        "of the mean and counted in brackets. Each cell's run directory is under `cells/`; `cells.csv` has every cell.",
+        "",
+        *_table(sweep, groups, target, budget),
+        "",
+    ]
+    lines += [f"![{f.stem}]({f.name})" for f in figures]
+    return "\n".join(lines) + "\n"
+
+
+def _table(sweep: Sweep, groups: list[Group], target: float, budget: float | None) -> list[str]:
+    base = baseline_arm(sweep)
+    axes = [a for a in sweep.axes if a != "seed"]
+    header = [*axes, "arm", f"time to {target:.0%} (s)", "final accuracy"]
+    header += [f"accuracy at {budget:g} s"] if budget is not None else []
+    header += ["samples/s", "sent per worker (MB/s)", "server in (MB/s)"]
+    header += [f"speed-up over {base}"] if base is not None else []
+    partitions = any(r.measures["partitions"] is not None for g in groups for r in g.results)
+    header += ["p"] if partitions else []
+    rows = []
+    for g in groups:
+        n = len(g.results)
+        row = [dict(g.labels)[a] for a in axes] + [g.arm, _reached(g.values("tta"), n, "{:.2f}"), _stat(g.values("accuracy"), "{:.4f}")]
+        row += [_stat(g.values("budget_accuracy"), "{:.4f}")] if budget is not None else []
+        row += [_stat(g.values("samples_per_second"), "{:.0f}"), _stat([b / 1e6 for b in g.values("bytes_per_worker")], "{:.2f}")]
+        row += [_stat([b / 1e6 for b in g.values("server_bytes_in")], "{:.2f}")]
+        row += [_reached(g.values("speedup"), n, "{:.2f}x") if g.arm != base else "1"] if base is not None else []
+        row += ["/".join(str(p) for p in sorted({r.measures["partitions"] for r in g.results if r.measures["partitions"]}))] if partitions else []
+        rows.append(row)
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def _stat(values: list[float], fmt: str) -> str:
+    """mean ± std (sample standard deviation), or just the value for one, or "-" for none."""
+    if not values:
+        return "-"
+    mean = fmt.format(float(np.mean(values)))
+    return mean if len(values) == 1 else f"{mean} ± {fmt.format(float(np.std(values, ddof=1))).rstrip('x')}"
+
+
+def _reached(values: list[float], n: int, fmt: str) -> str:
+    """_stat, with "(k/n)" when only k of the n seeds reached the target."""
+    if not values:
+        return f"not reached (0/{n})"
+    return _stat(values, fmt) + ("" if len(values) == n else f" ({len(values)}/{n})")
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _csv(sweep: Sweep, results: list[Result]) -> str:
+    keys = ["tta", "accuracy", "budget_accuracy", "speedup", "samples_per_second", "bytes_per_worker", "server_bytes_in", "partitions"]
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(["cell", "arm", *sweep.axes, *keys])
+    for r in results:
+        writer.writerow([r.cell.name, r.cell.arm, *(r.cell.label(a) for a in sweep.axes), *(r.measures.get(k) for k in keys)])
+    return buffer.getvalue()
+
+
+# --- plots --------------------------------------------------------------------------------
+
+
+def plots(sweep: Sweep, groups: list[Group], out: Path) -> list[Path]:
+    """Every plot the sweep's axes allow; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    target, budget = target_of(sweep), sweep.report.get("budget")
+    files = _per_panel(sweep, groups, None, out, "accuracy-vs-time", _accuracy_vs_time)
+    if len(sweep.axes.get("workers", {})) > 1:
+        files += _per_panel(sweep, groups, "workers", out, "time-to-accuracy-vs-workers", _against("tta", f"seconds to {target:.0%}"))
+        files += _per_panel(sweep, groups, "workers", out, "bytes-per-worker-vs-workers", _bytes_against)
+        if budget is not None:
+            files += _per_panel(sweep, groups, "workers", out, "accuracy-at-budget-vs-workers", _against("budget_accuracy", f"test accuracy at {budget:g} s"))
+    if "straggler" in sweep.axes and baseline_arm(sweep) is not None:
+        ylabel = f"speed-up over {baseline_arm(sweep)} (time to {target:.0%})"
+        files += _per_panel(sweep, groups, "straggler", out, "speedup-vs-straggler", _against("speedup", ylabel, skip=baseline_arm(sweep), unity=True))
+    return files
+
+
+def _per_panel(sweep: Sweep, groups: list[Group], x_axis: str | None, out: Path, stem: str, draw) -> list[Path]:
+    """One PNG per combination of the labels not plotted (not the seed, the arm or `x_axis`)."""
+    import matplotlib.pyplot as plt
+
+    panels: dict[tuple, list[Group]] = {}
+    for g in groups:
+        panels.setdefault(tuple((a, v) for a, v in g.labels if a != x_axis), []).append(g)
+    files = []
+    for labels, members in panels.items():
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        draw(ax, members, sweep, x_axis)
+        title = ", ".join(f"{a} {v}" for a, v in labels)
+        ax.set_title(f"{sweep.name}" + (f": {title}" if title else ""), fontsize=10)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "no seed has a value here", transform=ax.transAxes, ha="center", color="grey")
+        path = out / (stem + ("_" + ",".join(f"{a}={v}" for a, v in labels) if labels else "") + ".png")
+        fig.tight_layout()
+        tmp = path.with_name(f".{path.name}.tmp.png")
+        fig.savefig(tmp, dpi=110)
+        tmp.replace(path)
+        plt.close(fig)
+        files.append(path)
+    return files
+
+
+def _accuracy_vs_time(ax, groups: list[Group], sweep: Sweep, _x) -> None:
+    """Each seed's curve thin; the mean over seeds bold, up to the shortest run's end, with the
+    min-max band."""
+    for i, g in enumerate(groups):
+        color = f"C{i % 10}"
+        ends = [r.records[-1]["time"] for r in g.results]
+        grid = np.linspace(0.0, min(ends), 200)
+        curves = np.array([[accuracy_at(r.records, t) or 0.0 for t in grid] for r in g.results])
+        for r in g.results:
+            times, accuracy = [x["time"] for x in r.records], [x["test_accuracy"] or 0.0 for x in r.records]
+            ax.plot(times, accuracy, color=color, lw=0.6, alpha=0.4, drawstyle="steps-post")
+        ax.plot(grid, curves.mean(axis=0), color=color, lw=1.8, label=f"{g.arm} ({len(g.results)} seeds)")
+        if len(g.results) > 1:
+            ax.fill_between(grid, curves.min(axis=0), curves.max(axis=0), color=color, alpha=0.15, step="post")
+    ax.axhline(target_of(sweep), color="grey", lw=0.8, ls=":")
+    ax.set_xlabel(f"{'virtual' if sweep.runtime == 'simulate' else 'training'} seconds")
+    ax.set_ylabel("test accuracy (rank 0)")
+    ax.set_ylim(0.0, 1.0)
+
+
+def _against(measure: str, ylabel: str, skip: str | None = None, unity: bool = False):
+    """A plot of `measure` (mean, with the standard deviation as error bars) against the x axis;
+    a hollow marker where only some seeds have a value."""
+
+    def draw(ax, groups: list[Group], sweep: Sweep, x_axis: str) -> None:
+        positions, ticks = _positions(sweep, x_axis)
+        for i, arm in enumerate(a for a in sweep.arms if a != skip):
+            _line(ax, [g for g in groups if g.arm == arm], measure, x_axis, positions, f"C{i % 10}", arm)
+        if unity:
+            ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+        _x_axis(ax, x_axis, positions, ticks)
+        ax.set_ylabel(ylabel)
+
+    return draw
+
+
+def _bytes_against(ax, groups: list[Group], sweep: Sweep, x_axis: str) -> None:
+    """Bytes sent per worker per second (solid) and each server's bytes in (dashed)."""
+    positions, ticks = _positions(sweep, x_axis)
+    for i, arm in enumerate(sweep.arms):
+        mine = [g for g in groups if g.arm == arm]
+        _line(ax, mine, "bytes_per_worker", x_axis, positions, f"C{i % 10}", f"{arm}: per worker", scale=1e-6)
+        if any(g.values("server_bytes_in") for g in mine):
+            _line(ax, mine, "server_bytes_in", x_axis, positions, f"C{i % 10}", f"{arm}: per server, in", scale=1e-6, ls="--")
+    _x_axis(ax, x_axis, positions, ticks)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter("{x:g}")
+    ax.set_ylabel("MB/s")
+
+
+def _line(ax, groups: list[Group], measure: str, x_axis: str, positions: dict, color: str, label: str, scale: float = 1.0, ls: str = "-") -> None:
+    points = []
+    for g in groups:
+        values = [v * scale for v in g.values(measure)]
+        if values:
+            spread = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
+            points.append((positions[dict(g.labels)[x_axis]], float(np.mean(values)), spread, len(values) == len(g.results)))
+    if not points:
+        return
+    points.sort()
+    xs, ys, errs, whole = zip(*points)
+    ax.errorbar(xs, ys, yerr=errs, color=color, ls=ls, marker="none", capsize=3, label=label)
+    ax.scatter(xs, ys, color=[color if w else "white" for w in whole], edgecolors=color, zorder=3, s=28)
+
+
+def _positions(sweep: Sweep, x_axis: str) -> tuple[dict[str, float], bool]:
+    """label -> x position: the number itself when every label is one, else 0, 1, 2..."""
+    labels = list(sweep.axes[x_axis])
+    try:
+        return {label: float(label) for label in labels}, False
+    except ValueError:
+        return {label: float(i) for i, label in enumerate(labels)}, True
+
+
+def _x_axis(ax, x_axis: str, positions: dict[str, float], categorical: bool) -> None:
+    if x_axis == "workers" and not categorical:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(list(positions.values()), list(positions))
+    ax.set_xlabel("workers" if x_axis == "workers" else "straggler factor" if x_axis == "straggler" else x_axis)

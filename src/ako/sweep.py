@@ -1,0 +1,364 @@
+"""Experiment grids: `ako sweep experiments/<name>.toml`.
+
+A sweep file names a runtime, settings shared by every cell, the axes of a grid and the arms
+being compared:
+
+    runtime = "simulate"            # or "train" (the distributed runtime on this machine)
+    [base]                          # any `ako train`/`ako simulate` setting, as in --config
+    dataset = "fashion-mnist"
+    target_accuracy = 0.85
+    [grid]                          # every combination of these is run for every arm
+    bandwidth = ["1Gbit", "100Mbit"]
+    seed = [0, 1, 2]
+    [grid.straggler]                # a table names its values: label = value
+    none = []
+    "4" = ["rank=3,factor=4"]
+    [grid.workers]                  # a value that is a table sets several settings at once
+    "4" = {workers = 4, batch_size = 128}
+    "8" = {workers = 8, batch_size = 64}
+    [[arm]]                         # the compared configurations: a name and their settings
+    name = "ps-2"
+    strategy = "bsp"
+    servers = 2
+    [report]                        # what `ako report` measures (optional)
+    target = 0.85                   # time to this accuracy (default: base target, else 0.85)
+    budget = 3.0                    # also the accuracy at this many seconds
+
+Each cell runs as its own `ako simulate|train` process, its run directory under
+`<sweep dir>/cells/<cell>/`. A cell is finished when its run wrote summary.json with the
+settings the file gives now; running the sweep again runs only the others (resumable).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomli_w
+
+from ako.config import FIELDS, ConfigError, TrainConfig, validate
+from ako.metrics import write_atomic
+
+RUNTIMES = ("simulate", "train")
+_SECTIONS = {"name", "runtime", "base", "grid", "arm", "report"}
+_REPORT_KEYS = {"target", "budget"}
+_RESERVED = ("out_dir", "progress", "resume")  # the sweep decides these for each cell
+EXIT_BAD_INPUT = 2
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One run of the grid: an arm at one label per axis (seed included)."""
+
+    arm: str
+    labels: tuple[tuple[str, str], ...]  # (axis, label) in the file's axis order
+    settings: dict  # TrainConfig values: base, then the axes' values, then the arm's
+
+    @property
+    def name(self) -> str:
+        """The cell's directory name, e.g. "arm=ps-2,workers=16,seed=1"."""
+        parts = [f"arm={self.arm}", *(f"{axis}={label}" for axis, label in self.labels)]
+        return ",".join(parts).replace("/", "_").replace(" ", "_")
+
+    def label(self, axis: str) -> str | None:
+        """This cell's label on `axis` ("arm" gives the arm), or None when there is no such axis."""
+        return self.arm if axis == "arm" else dict(self.labels).get(axis)
+
+
+@dataclass
+class Sweep:
+    """A parsed sweep file. axes: axis -> {label: value}; arms: name -> settings."""
+
+    name: str
+    runtime: str
+    base: dict
+    axes: dict[str, dict[str, object]]
+    arms: dict[str, dict]
+    report: dict
+    text: str  # the file as written, kept beside the results
+
+    def cells(self) -> list[Cell]:
+        """Every cell, seeds outermost, so an interrupted sweep has whole grids for its first seeds."""
+        order = sorted(self.axes, key=lambda axis: axis != "seed")
+        cells = []
+        for combo in itertools.product(*(self.axes[axis].items() for axis in order)):
+            chosen = dict(zip(order, combo))
+            for arm, arm_settings in self.arms.items():
+                settings = dict(self.base)
+                for axis in order:
+                    value = chosen[axis][1]
+                    settings.update(value if isinstance(value, dict) else {axis: value})
+                settings.update(arm_settings)
+                labels = tuple((a, chosen[a][0]) for a in self.axes)
+                cells.append(Cell(arm, labels, settings))
+        return cells
+
+
+def load_sweep(path: str | os.PathLike) -> Sweep:
+    """Read and check a sweep file: every cell's settings are validated here, so a bad value
+    fails before anything runs. Raises ConfigError naming the file and the bad key or value."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+        data = tomllib.loads(text)
+    except FileNotFoundError:
+        raise ConfigError(f"sweep file {str(path)!r} not found") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"sweep file {str(path)!r}: {e}") from None
+    try:
+        sweep = _parse(data, text, default_name=path.stem)
+        for cell in sweep.cells():
+            _check_cell(cell, sweep.runtime)
+    except ConfigError as e:
+        raise ConfigError(f"sweep file {str(path)!r}: {e}") from None
+    return sweep
+
+
+def _parse(data: dict, text: str, default_name: str) -> Sweep:
+    unknown = sorted(set(data) - _SECTIONS)
+    if unknown:
+        raise ConfigError(f"unknown key {unknown[0]!r}; allowed: {', '.join(sorted(_SECTIONS))}")
+    runtime = data.get("runtime", "simulate")
+    if runtime not in RUNTIMES:
+        raise ConfigError(f"runtime {runtime!r}: choose simulate or train")
+    name = data.get("name", default_name)
+    if not isinstance(name, str) or not name or "/" in name:
+        raise ConfigError(f"name {name!r}: must be a non-empty string without '/'")
+    base = _settings("base", data.get("base", {}))
+    axes = {axis: _axis(axis, values) for axis, values in _table("grid", data.get("grid", {})).items()}
+    arms = _arms(data.get("arm", []), base)
+    varied = {key for axis, values in axes.items() for v in values.values() for key in (v if isinstance(v, dict) else [axis])}
+    for arm, settings in arms.items():
+        both = sorted(set(settings) & varied)
+        if both:
+            raise ConfigError(f"arm {arm!r} sets {both[0]!r}, which is also an axis of the grid")
+    report = _table("report", data.get("report", {}))
+    if set(report) - _REPORT_KEYS:
+        raise ConfigError(f"report: unknown key {sorted(set(report) - _REPORT_KEYS)[0]!r}; allowed: budget, target")
+    for key in report:
+        value = report[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ConfigError(f"report {key} {value!r}: must be a number > 0")
+    return Sweep(name, runtime, base, axes, arms, report, text)
+
+
+def _table(where: str, value) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: must be a table")
+    return {key.replace("-", "_"): v for key, v in value.items()}
+
+
+def _settings(where: str, value) -> dict:
+    """A table of TrainConfig settings; the sweep's own keys are refused."""
+    settings = _table(where, value)
+    for key in settings:
+        if key not in FIELDS:
+            raise ConfigError(f"{where}: unknown setting {key!r}; allowed: {', '.join(FIELDS)}")
+        if key in _RESERVED:
+            raise ConfigError(f"{where}: {key!r} is set by the sweep for each cell")
+    return settings
+
+
+def _axis(axis: str, values) -> dict[str, object]:
+    """label -> value: a list's values are their own labels; a table gives them."""
+    if axis not in FIELDS or axis in _RESERVED:
+        allowed = ", ".join(f for f in FIELDS if f not in _RESERVED)
+        raise ConfigError(f"grid: unknown axis {axis!r}; allowed: {allowed}")
+    if isinstance(values, dict):
+        labelled = {str(label): value for label, value in values.items()}
+    elif isinstance(values, list):
+        labelled = {_label(value): value for value in values}
+        if len(labelled) < len(values):
+            raise ConfigError(f"grid {axis}: a value is listed twice in {values!r}")
+    else:
+        raise ConfigError(f"grid {axis} {values!r}: must be a list of values or a table of label = value")
+    if not labelled:
+        raise ConfigError(f"grid {axis}: has no values")
+    for label, value in labelled.items():
+        if isinstance(value, dict):
+            labelled[label] = _settings(f"grid {axis} {label!r}", value)
+    return labelled
+
+
+def _label(value) -> str:
+    if isinstance(value, list):
+        return "+".join(map(str, value)) or "none"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _arms(value, base: dict) -> dict[str, dict]:
+    """name -> settings; with no [[arm]], one arm: the base's strategy."""
+    if not isinstance(value, list):
+        raise ConfigError("arm: must be an array of tables, [[arm]]")
+    if not value:
+        return {str(base.get("strategy", TrainConfig.strategy)): {}}
+    arms = {}
+    for i, table in enumerate(value):
+        table = dict(_table(f"arm {i + 1}", table))
+        name = table.pop("name", table.get("strategy"))
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"arm {i + 1}: needs a name (or a strategy)")
+        if name in arms:
+            raise ConfigError(f"arm {name!r}: two arms have this name")
+        arms[name] = _settings(f"arm {name!r}", table)
+    return arms
+
+
+def _check_cell(cell: Cell, runtime: str) -> None:
+    try:
+        validate(TrainConfig(**cell.settings), simulated=runtime == "simulate")
+    except ConfigError as e:
+        raise ConfigError(f"cell {cell.name}: {e}") from None
+    except TypeError as e:  # a value TrainConfig cannot even hold
+        raise ConfigError(f"cell {cell.name}: {e}") from None
+
+
+# --- running ---------------------------------------------------------------------------------
+
+
+def finished(cell_dir: Path, cell: Cell) -> Path | None:
+    """The cell's run directory when its run finished with these settings, else None."""
+    try:
+        recorded = json.loads((cell_dir / "cell.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if recorded.get("settings") != _jsonable(cell.settings):
+        return None
+    return next((p.parent for p in sorted(cell_dir.glob("*/summary.json"))), None)
+
+
+def _jsonable(settings: dict) -> dict:
+    return json.loads(json.dumps(settings))
+
+
+class SweepFailed(Exception):
+    """A cell's run exited with bad input (status 2), so every other cell would fail alike; or
+    another sweep is running in the same directory."""
+
+
+def run_sweep(sweep: Sweep, out: Path, jobs: int = 1, progress: bool | None = None) -> list[tuple[Cell, str]]:
+    """Run the cells of `sweep` not yet finished under `out`, `jobs` at a time, showing overall
+    progress. Returns the failed cells with the last line of their log (the others finished).
+    Raises SweepFailed when a cell reports bad input or another sweep holds `out`;
+    KeyboardInterrupt stops the running cells.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    lock = open(out / ".lock", "w")  # noqa: SIM115 -- held until this function returns
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise SweepFailed(f"sweep directory {str(out)!r}: another ako sweep is running in it") from None
+    named = sweep.text if "name" in tomllib.loads(sweep.text) else f"name = {json.dumps(sweep.name)}\n{sweep.text}"
+    write_atomic(out / "sweep.toml", named)  # what `ako report` reads, under the sweep's name
+    cells = sweep.cells()
+    todo = [c for c in cells if finished(out / "cells" / c.name, c) is None]
+    bar = _progress(len(cells), len(cells) - len(todo), progress)
+    failed: list[tuple[Cell, str]] = []
+    running: dict = {}
+    stop = threading.Event()
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        try:
+            pending = iter(todo)
+            for cell in itertools.islice(pending, jobs):
+                running[pool.submit(run_cell, sweep.runtime, cell, out / "cells" / cell.name, jobs, stop)] = cell
+            while running:
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    cell = running.pop(future)
+                    status, line = future.result()
+                    if status == EXIT_BAD_INPUT:
+                        raise SweepFailed(f"cell {cell.name}: {line}")
+                    if status != 0:
+                        failed.append((cell, line))
+                    bar.write(f"{'failed' if status else 'done  '} {cell.name}: {line}")
+                    bar.update(1)
+                    nxt = next(pending, None)
+                    if nxt is not None:
+                        running[pool.submit(run_cell, sweep.runtime, nxt, out / "cells" / nxt.name, jobs, stop)] = nxt
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            bar.close()
+    return failed
+
+
+def run_cell(runtime: str, cell: Cell, cell_dir: Path, jobs: int, stop: threading.Event) -> tuple[int, str]:
+    """Run one cell as `python -m ako <runtime> --config cell.toml` in a fresh `cell_dir`.
+    Returns (exit status, a one-line result or error)."""
+    if cell_dir.exists():
+        shutil.rmtree(cell_dir)  # an unfinished or outdated run: start the cell again
+    cell_dir.mkdir(parents=True)
+    write_atomic(cell_dir / "cell.toml", tomli_w.dumps(cell.settings))
+    command = [sys.executable, "-m", "ako", runtime, "--config", str(cell_dir / "cell.toml"),
+               "--out-dir", str(cell_dir), "--no-progress"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1") if jobs > 1 else None  # one core per cell
+    started = time.monotonic()
+    with open(cell_dir / "log.txt", "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        while process.poll() is None:
+            if stop.wait(0.2):
+                _stop(process)
+                return 130, "interrupted"
+    status = process.returncode
+    if status == 0 and (run := next(cell_dir.glob("*/summary.json"), None)) is not None:
+        write_atomic(cell_dir / "cell.json", json.dumps({"arm": cell.arm, "labels": dict(cell.labels), "settings": _jsonable(cell.settings)}, indent=2))
+        return 0, _outcome(json.loads(run.read_text()), cell, time.monotonic() - started)
+    lines = (cell_dir / "log.txt").read_text().strip().splitlines()
+    return status or 1, lines[-1] if lines else f"exit status {status}"
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Stop a cell's run: SIGTERM (its workers die with it), SIGKILL after 10 s."""
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _outcome(summary: dict, cell: Cell, seconds: float) -> str:
+    target = cell.settings.get("target_accuracy")
+    text = f"accuracy {summary['test_accuracy']:.4f}"
+    if target:
+        tta = summary["time_to_accuracy"].get(f"{target:g}")
+        text += f", {target:.0%} " + ("not reached" if tta is None else f"at {tta:.1f} s")
+    return f"{text} ({seconds:.0f} s)"
+
+
+def _progress(total: int, done: int, show: bool | None):
+    """tqdm over the cells; it also writes one line per finished cell when not on a terminal."""
+    from tqdm import tqdm
+
+    if sys.stderr.isatty() if show is None else show:
+        return tqdm(total=total, initial=done, unit="cell", desc="sweep", dynamic_ncols=True)
+    return _Lines(total, done)
+
+
+class _Lines:
+    """Progress as plain lines, "[k/n] ...", for logs and pipes."""
+
+    def __init__(self, total: int, done: int):
+        self.total, self.done = total, done
+        print(f"sweep: {done} of {total} cells already finished", file=sys.stderr, flush=True)
+
+    def write(self, text: str) -> None:
+        print(f"[{self.done + 1}/{self.total}] {text}", file=sys.stderr, flush=True)
+
+    def update(self, n: int) -> None:
+        self.done += n
+
+    def close(self) -> None:
+        pass

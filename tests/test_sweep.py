@@ -1,0 +1,277 @@
+"""`ako sweep` and `ako report`: a tiny simulated grid runs, resumes without rerunning finished
+cells, and reports the expected files and rows; the report's aggregates on hand-made cells."""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+
+import pytest
+
+from ako.cli import main
+from ako.report import write_report
+from ako.sweep import load_sweep
+
+TINY = """
+runtime = "simulate"
+[base]
+dataset = "digits"
+model = "mlp"
+train_samples = 256
+test_samples = 60
+batch_size = 16
+epochs = 0.25
+eval_every = 0.05
+seconds_per_sample = 0.001
+bandwidth = "100Mbit"
+target_accuracy = 0.3
+[grid]
+workers = [2, 4]
+[[arm]]
+name = "allreduce"
+strategy = "allreduce"
+[[arm]]
+name = "bsp"
+strategy = "bsp"
+"""
+
+CELLS = ["arm=allreduce,workers=2", "arm=bsp,workers=2", "arm=allreduce,workers=4", "arm=bsp,workers=4"]
+
+
+def summaries(sweep_dir) -> dict[str, str]:
+    """cell -> its summary.json text (the run directory's name included)."""
+    return {p.parent.parent.name: p.parent.name + p.read_text() for p in sweep_dir.glob("cells/*/*/summary.json")}
+
+
+def table(report: str) -> list[list[str]]:
+    rows = [line for line in report.splitlines() if line.startswith("| ")]
+    return [[c.strip() for c in row.strip("|").split("|")] for row in rows]
+
+
+def test_tiny_sweep_runs_resumes_and_reports(tmp_path, capsys):
+    file = tmp_path / "tiny.toml"
+    file.write_text(TINY)
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(file), "--out", str(out), "--jobs", "2", "--no-progress"]) == 0
+    first = summaries(out)
+    assert sorted(first) == sorted(CELLS)
+
+    # an interrupted cell (no summary) is run again; the finished ones are not
+    interrupted = next(out.glob("cells/arm=bsp,workers=4/*/summary.json"))
+    interrupted.unlink()
+    capsys.readouterr()
+    assert main(["sweep", str(file), "--out", str(out), "--no-progress"]) == 0
+    assert "3 of 4 cells already finished" in capsys.readouterr().err
+    second = summaries(out)
+    assert {c: second[c] for c in CELLS if c != "arm=bsp,workers=4"} == {c: first[c] for c in CELLS if c != "arm=bsp,workers=4"}
+    assert "arm=bsp,workers=4" in second
+
+    # a changed arm reruns that arm's cells only
+    file.write_text(TINY.replace('name = "bsp"\nstrategy = "bsp"', 'name = "bsp"\nstrategy = "bsp"\nservers = 2'))
+    capsys.readouterr()
+    assert main(["sweep", str(file), "--out", str(out), "--no-progress"]) == 0
+    assert "2 of 4 cells already finished" in capsys.readouterr().err
+    third = summaries(out)
+    assert all(third[c] == second[c] for c in CELLS if "allreduce" in c)
+    assert all(third[c] != second[c] for c in CELLS if "bsp" in c)
+
+    assert main(["report", str(out)]) == 0
+    report_dir = out / "report"
+    pngs = sorted(p.name for p in report_dir.glob("*.png"))
+    assert pngs == [
+        "accuracy-vs-time_workers=2.png",
+        "accuracy-vs-time_workers=4.png",
+        "bytes-per-worker-vs-workers.png",
+        "time-to-accuracy-vs-workers.png",
+    ]
+    assert all((report_dir / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    text = (report_dir / "report.md").read_text()
+    assert all(f"![{p[:-4]}]({p})" in text for p in pngs)
+    rows = table(text)
+    assert rows[0][:3] == ["workers", "arm", "time to 30% (s)"]
+    assert [r[:2] for r in rows[1:]] == [["2", "allreduce"], ["2", "bsp"], ["4", "allreduce"], ["4", "bsp"]]
+    for row in rows[1:]:  # one seed: the final accuracy is the cell's own
+        summary = json.loads(next(out.glob(f"cells/arm={row[1]},workers={row[0]}/*/summary.json")).read_text())
+        assert row[3] == f"{summary['test_accuracy']:.4f}"
+        assert row[5] == f"{summary['bytes_sent_per_worker_per_second'] / 1e6:.2f}"
+    assert len((report_dir / "cells.csv").read_text().splitlines()) == 1 + 4
+
+
+def test_sweep_on_the_distributed_runtime(tmp_path):
+    file = tmp_path / "real.toml"
+    file.write_text(TINY.replace('runtime = "simulate"', 'runtime = "train"').replace('seconds_per_sample = 0.001\nbandwidth = "100Mbit"\n', "")
+                    .replace("workers = [2, 4]", "workers = [2]").split("[[arm]]")[0])  # fmt: skip
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(file), "--out", str(out), "--no-progress"]) == 0
+    (summary,) = [json.loads(p.read_text()) for p in out.glob("cells/*/*/summary.json")]
+    assert summary["workers"] == 2 and summary["strategy"] == "ako" and summary["iterations"] == 2
+    assert (out / "cells" / "arm=ako,workers=2" / "log.txt").read_text().count("ako ako: 2 workers") == 1
+
+
+# --- the report's numbers, on hand-made cells ----------------------------------------------
+
+STRAGGLERS = """
+runtime = "simulate"
+[base]
+dataset = "digits"
+workers = 4
+target_accuracy = 0.5
+[grid.straggler]
+"1" = []
+"3" = ["rank=3,factor=3"]
+[grid]
+seed = [0, 1, 2]
+[[arm]]
+name = "bsp"
+strategy = "bsp"
+[[arm]]
+name = "absp"
+strategy = "absp"
+[report]
+budget = 2.0
+"""
+
+
+def fake_cell(sweep_dir, cell, curve: list[tuple[float, float]], bytes_per_second: int) -> None:
+    """A finished cell whose rank 0 evaluated (time, accuracy) at the given points."""
+    cell_dir = sweep_dir / "cells" / cell.name
+    run = cell_dir / "20261130-000000-run"
+    run.mkdir(parents=True)
+    (cell_dir / "cell.json").write_text(json.dumps({"settings": cell.settings}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"time": t, "test_accuracy": a}) + "\n" for t, a in curve))
+    summary = {"test_accuracy": curve[-1][1], "samples_per_second": 100.0, "bytes_sent_per_worker_per_second": bytes_per_second,
+               "per_server": [{"bytes_in_per_second": 4 * bytes_per_second}]}  # fmt: skip
+    (run / "summary.json").write_text(json.dumps(summary))
+
+
+def test_report_means_spreads_and_paired_speedups(tmp_path):
+    sweep_dir = tmp_path / "s"
+    sweep_dir.mkdir()
+    (sweep_dir / "sweep.toml").write_text('name = "stragglers"\n' + STRAGGLERS)
+    sweep = load_sweep(sweep_dir / "sweep.toml")
+    # bsp reaches 50% at 2, 4, 6 s (straggler 3: 6, 12, 18 s); absp at 1, 2, 3 s; absp at
+    # straggler 3 with seed 2 never does
+    for cell in sweep.cells():
+        seed = int(cell.label("seed"))
+        slow = 3 if cell.label("straggler") == "3" else 1
+        t = (seed + 1) * (2 if cell.arm == "bsp" else 1) * slow
+        reached = not (cell.arm == "absp" and slow == 3 and seed == 2)
+        fake_cell(sweep_dir, cell, [(0, 0.1), (t, 0.6 if reached else 0.4), (t + 1, 0.7 if reached else 0.45)], 1000 * (seed + 1))
+    text = write_report(sweep_dir).read_text()
+    rows = {(r[0], r[1]): r for r in table(text)[1:]}
+    header = table(text)[0]
+    col = {name: header.index(name) for name in header}
+    assert rows[("1", "bsp")][col["time to 50% (s)"]] == "4.00 ± 2.00"
+    assert rows[("1", "absp")][col["time to 50% (s)"]] == "2.00 ± 1.00"
+    assert rows[("3", "absp")][col["time to 50% (s)"]] == "4.50 ± 2.12 (2/3)"
+    assert rows[("1", "absp")][col["speed-up over bsp"]] == "2.00x ± 0.00"
+    assert rows[("3", "absp")][col["speed-up over bsp"]] == "2.00x ± 0.00 (2/3)"
+    assert rows[("1", "bsp")][col["sent per worker (MB/s)"]] == "0.00 ± 0.00"
+    assert rows[("1", "bsp")][col["server in (MB/s)"]] == "0.01 ± 0.00"
+    # accuracy at the 2 s budget: the last evaluation at or before 2 s
+    assert rows[("1", "bsp")][col["accuracy at 2 s"]] == f"{(0.6 + 0.1 + 0.1) / 3:.4f} ± {0.2886751:.4f}"
+    files = sorted(p.name for p in (sweep_dir / "report").glob("*.png"))
+    assert files == ["accuracy-vs-time_straggler=1.png", "accuracy-vs-time_straggler=3.png", "speedup-vs-straggler.png"]
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (("[grid]", "[grid]\nflavour = [1]"), "grid: unknown axis 'flavour'"),
+        (("[grid]", '[grid]\nout_dir = ["x"]'), "grid: unknown axis 'out_dir'"),
+        (('strategy = "bsp"', 'strategy = "bsp"\nworkers = 3'), "arm 'bsp' sets 'workers', which is also an axis of the grid"),
+        (('runtime = "simulate"', 'runtime = "cloud"'), "runtime 'cloud': choose simulate or train"),
+        (("workers = [2, 4]", "workers = [2, 0]"), "cell arm=allreduce,workers=0: workers 0: must be an integer >= 1"),
+        (("workers = [2, 4]", "workers = [2, 2]"), "grid workers: a value is listed twice"),
+        (('name = "bsp"\n', 'name = "allreduce"\n'), "arm 'allreduce': two arms have this name"),
+        (("[base]", "[bases]"), "unknown key 'bases'"),
+        (('strategy = "bsp"', 'strategy = "bsp"\ncolour = 1'), "arm 'bsp': unknown setting 'colour'"),
+        (("[grid]", "[report]\nbudget = -1\n[grid]"), "report budget -1: must be a number > 0"),
+        (("[base]", "[base]\nresume = 'x'"), "base: 'resume' is set by the sweep for each cell"),
+        (("[grid]", "[grid]\nstraggler = 'rank=1'"), "grid straggler 'rank=1': must be a list of values or a table"),
+    ],
+)
+def test_bad_sweep_files(tmp_path, capsys, change, message):
+    file = tmp_path / "bad.toml"
+    file.write_text(TINY.replace(*change))
+    assert main(["sweep", str(file), "--out", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"ako: error: sweep file '{file}': ") and message in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "s").exists()
+
+
+def test_bad_sweep_and_report_arguments(tmp_path, capsys):
+    assert main(["sweep", str(tmp_path / "none.toml")]) == 2
+    assert "not found" in capsys.readouterr().err
+    (tmp_path / "t.toml").write_text(TINY)
+    assert main(["sweep", str(tmp_path / "t.toml"), "--jobs", "0"]) == 2
+    assert "jobs '0': must be an integer from 1 to 256" in capsys.readouterr().err
+    assert main(["report", str(tmp_path)]) == 2
+    assert re.search(r"no sweep.toml in it", capsys.readouterr().err)
+    (tmp_path / "sweep.toml").write_text(TINY)
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no finished cell yet" in capsys.readouterr().err
+
+
+def test_a_cell_with_bad_input_stops_the_sweep(tmp_path, capsys):
+    """Bad input found only when a cell runs (here: no data in --data-dir) would fail every cell."""
+    file = tmp_path / "t.toml"
+    file.write_text(TINY.replace('dataset = "digits"', f'dataset = "fashion-mnist"\ndata_dir = "{tmp_path / "nothing"}"'))
+    assert main(["sweep", str(file), "--out", str(tmp_path / "s"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("ako: error: cell arm=allreduce,workers=2: ") and "nothing" in err, err
+
+
+def test_sweep_file_documentation_example_parses(tmp_path):
+    """The example in ako.sweep's docstring is a valid sweep file."""
+    import ako.sweep
+
+    example = ako.sweep.__doc__.split("being compared:")[1].split("Each cell runs")[0]
+    file = tmp_path / "example.toml"
+    file.write_text(textwrap.dedent(example))
+    sweep = load_sweep(file)
+    assert len(sweep.cells()) == 2 * 3 * 2 * 2 and sweep.report == {"target": 0.85, "budget": 3.0}
+
+
+def test_two_sweeps_cannot_share_a_directory(tmp_path, capsys):
+    import fcntl
+
+    file, out = tmp_path / "t.toml", tmp_path / "s"
+    file.write_text(TINY)
+    out.mkdir()
+    with open(out / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert main(["sweep", str(file), "--out", str(out)]) == 2
+    assert f"sweep directory '{out}': another ako sweep is running in it" in capsys.readouterr().err
+    assert not (out / "cells").exists()
+
+
+def test_an_interrupted_sweep_stops_its_cells_and_resumes(tmp_path):
+    """SIGTERM (or Ctrl-C) stops the running cell; the next run finishes the grid, keeping
+    the cells finished before the interruption."""
+    import subprocess
+    import sys
+    import time
+
+    file, out = tmp_path / "t.toml", tmp_path / "s"
+    file.write_text(TINY.replace("workers = [2, 4]", "workers = [2]").replace("epochs = 0.25", "epochs = 0.25\nseed = 0")
+                    .replace('name = "bsp"\nstrategy = "bsp"', 'name = "bsp"\nstrategy = "bsp"\nepochs = 100\ntarget_accuracy = 0.999'))  # fmt: skip
+    command = [sys.executable, "-m", "ako", "sweep", str(file), "--out", str(out), "--no-progress"]
+    sweep = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    slow = out / "cells" / "arm=bsp,workers=2" / "log.txt"
+    deadline = time.monotonic() + 60
+    while not (slow.exists() and "ako bsp" not in slow.read_text() and list(slow.parent.glob("*/config.toml"))):
+        assert time.monotonic() < deadline and sweep.poll() is None
+        time.sleep(0.2)
+    sweep.terminate()
+    assert sweep.wait(timeout=20) == 130
+    assert "interrupted; run the same command again" in sweep.stderr.read()
+    left = subprocess.run(["pgrep", "-f", str(slow.parent)], capture_output=True, text=True).stdout
+    assert left == "", f"the cell's run is still going: {left}"
+    finished_before = summaries(out)
+    assert list(finished_before) == ["arm=allreduce,workers=2"]
+    file.write_text(file.read_text().replace("epochs = 100\n", ""))  # now the slow cell is quick
+    assert main(["sweep", str(file), "--out", str(out), "--no-progress"]) == 0
+    after = summaries(out)
+    assert after["arm=allreduce,workers=2"] == finished_before["arm=allreduce,workers=2"] and "arm=bsp,workers=2" in after
