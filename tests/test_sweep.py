@@ -10,8 +10,8 @@ import textwrap
 import pytest
 
 from ako.cli import main
-from ako.report import write_report
-from ako.sweep import load_sweep
+from ako.report import _sig, write_report
+from ako.sweep import finished, load_sweep
 
 TINY = """
 runtime = "simulate"
@@ -94,7 +94,7 @@ def test_tiny_sweep_runs_resumes_and_reports(tmp_path, capsys):
     for row in rows[1:]:  # one seed: the final accuracy is the cell's own
         summary = json.loads(next(out.glob(f"cells/arm={row[1]},workers={row[0]}/*/summary.json")).read_text())
         assert row[3] == f"{summary['test_accuracy']:.4f}"
-        assert row[5] == f"{summary['bytes_sent_per_worker_per_second'] / 1e6:.2f}"
+        assert row[5] == _sig(summary["bytes_sent_per_worker_per_second"] / 1e6)
     assert len((report_dir / "cells.csv").read_text().splitlines()) == 1 + 4
 
 
@@ -138,7 +138,7 @@ def fake_cell(sweep_dir, cell, curve: list[tuple[float, float]], bytes_per_secon
     cell_dir = sweep_dir / "cells" / cell.name
     run = cell_dir / "20261130-000000-run"
     run.mkdir(parents=True)
-    (cell_dir / "cell.json").write_text(json.dumps({"settings": cell.settings}))
+    (cell_dir / "cell.json").write_text(json.dumps({"settings": cell.settings, "runtime": cell.runtime}))
     (run / "metrics.jsonl").write_text("".join(json.dumps({"time": t, "test_accuracy": a}) + "\n" for t, a in curve))
     summary = {"test_accuracy": curve[-1][1], "samples_per_second": 100.0, "bytes_sent_per_worker_per_second": bytes_per_second,
                "per_server": [{"bytes_in_per_second": 4 * bytes_per_second}]}  # fmt: skip
@@ -165,10 +165,11 @@ def test_report_means_spreads_and_paired_speedups(tmp_path):
     assert rows[("1", "bsp")][col["time to 50% (s)"]] == "4.00 ± 2.00"
     assert rows[("1", "absp")][col["time to 50% (s)"]] == "2.00 ± 1.00"
     assert rows[("3", "absp")][col["time to 50% (s)"]] == "4.50 ± 2.12 (2/3)"
-    assert rows[("1", "absp")][col["speed-up over bsp"]] == "2.00x ± 0.00"
-    assert rows[("3", "absp")][col["speed-up over bsp"]] == "2.00x ± 0.00 (2/3)"
-    assert rows[("1", "bsp")][col["sent per worker (MB/s)"]] == "0.00 ± 0.00"
-    assert rows[("1", "bsp")][col["server in (MB/s)"]] == "0.01 ± 0.00"
+    assert rows[("1", "absp")][col["speed-up over bsp"]] == "2.00 ± 0.00"
+    assert rows[("3", "absp")][col["speed-up over bsp"]] == "2.00 ± 0.00 (2/3)"
+    assert rows[("1", "bsp")][col["speed-up over bsp"]] == "baseline"
+    assert rows[("1", "bsp")][col["sent per worker (MB/s)"]] == "0.00200 ± 0.00100"
+    assert rows[("1", "bsp")][col["server in (MB/s)"]] == "0.00800 ± 0.00400"
     # accuracy at the 2 s budget: the last evaluation at or before 2 s
     assert rows[("1", "bsp")][col["accuracy at 2 s"]] == f"{(0.6 + 0.1 + 0.1) / 3:.4f} ± {0.2886751:.4f}"
     files = sorted(p.name for p in (sweep_dir / "report").glob("*.png"))
@@ -275,3 +276,18 @@ def test_an_interrupted_sweep_stops_its_cells_and_resumes(tmp_path):
     assert main(["sweep", str(file), "--out", str(out), "--no-progress"]) == 0
     after = summaries(out)
     assert after["arm=allreduce,workers=2"] == finished_before["arm=allreduce,workers=2"] and "arm=bsp,workers=2" in after
+
+
+def test_a_cell_is_finished_only_for_the_same_settings_and_runtime(tmp_path):
+    file = tmp_path / "s.toml"
+    file.write_text(STRAGGLERS)
+    cell = load_sweep(file).cells()[0]
+    fake_cell(tmp_path, cell, [(0, 0.1), (1, 0.6)], 1000)
+    cell_dir = tmp_path / "cells" / cell.name
+    assert finished(cell_dir, cell) == next(cell_dir.glob("*/summary.json")).parent
+    file.write_text(STRAGGLERS.replace('runtime = "simulate"', 'runtime = "train"'))
+    assert finished(cell_dir, load_sweep(file).cells()[0]) is None
+    file.write_text(STRAGGLERS.replace("workers = 4", "workers = 5"))
+    assert finished(cell_dir, load_sweep(file).cells()[0]) is None
+    (cell_dir / "cell.json").write_text("[1, 2")  # a cell.json cut short
+    assert finished(cell_dir, cell) is None

@@ -16,6 +16,7 @@ import csv
 import io
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -94,7 +95,7 @@ def collect(sweep: Sweep, sweep_dir: Path) -> list[Result]:
             "budget_accuracy": None if budget is None else accuracy_at(records, budget),
             "samples_per_second": summary["samples_per_second"],
             "bytes_per_worker": summary["bytes_sent_per_worker_per_second"],
-            "server_bytes_in": float(np.mean(servers)) if servers else None,
+            "server_bytes_in": round(float(np.mean(servers))) if servers else None,
             "partitions": summary.get("partitions"),
         }
         results.append(Result(cell, summary, records, measures))
@@ -156,7 +157,9 @@ def markdown(sweep: Sweep, groups: list[Group], figures: list[Path], finished_ce
         f"{finished_cells} of {len(sweep.cells())} cells finished, on the {'simulated' if sweep.runtime == 'simulate' else 'distributed'} "
         f"runtime ({'virtual' if sweep.runtime == 'simulate' else 'training'} seconds). Figures: {spread}. "
         f"Time to {target:.0%} is rank 0's replica's test accuracy; a seed that did not reach it is left out "
-        "of the mean and counted in brackets. Each cell's run directory is under `cells/`; `cells.csv` has every cell.",
+        "of the mean, and (k/n) counts the seeds that did. Speed-up: per seed, the baseline's time to the target "
+        "over the arm's, where both reached it. Each cell's run directory is under `cells/<cell>/`; `cells.csv` "
+        "has every cell.",
         "",
         *_table(sweep, groups, target, budget),
         "",
@@ -168,34 +171,43 @@ def markdown(sweep: Sweep, groups: list[Group], figures: list[Path], finished_ce
 def _table(sweep: Sweep, groups: list[Group], target: float, budget: float | None) -> list[str]:
     base = baseline_arm(sweep)
     axes = [a for a in sweep.axes if a != "seed"]
+    servers = any(g.values("server_bytes_in") for g in groups)
+    partitions = any(g.values("partitions") for g in groups)
     header = [*axes, "arm", f"time to {target:.0%} (s)", "final accuracy"]
     header += [f"accuracy at {budget:g} s"] if budget is not None else []
-    header += ["samples/s", "sent per worker (MB/s)", "server in (MB/s)"]
+    header += ["samples/s", "sent per worker (MB/s)"] + (["server in (MB/s)"] if servers else [])
     header += [f"speed-up over {base}"] if base is not None else []
-    partitions = any(r.measures["partitions"] is not None for g in groups for r in g.results)
     header += ["p"] if partitions else []
+    reached = {g.labels: len(g.values("tta")) for g in groups if g.arm == base}
     rows = []
     for g in groups:
         n = len(g.results)
-        row = [dict(g.labels)[a] for a in axes] + [g.arm, _reached(g.values("tta"), n, "{:.2f}"), _stat(g.values("accuracy"), "{:.4f}")]
-        row += [_stat(g.values("budget_accuracy"), "{:.4f}")] if budget is not None else []
-        row += [_stat(g.values("samples_per_second"), "{:.0f}"), _stat([b / 1e6 for b in g.values("bytes_per_worker")], "{:.2f}")]
-        row += [_stat([b / 1e6 for b in g.values("server_bytes_in")], "{:.2f}")]
-        row += [_reached(g.values("speedup"), n, "{:.2f}x") if g.arm != base else "1"] if base is not None else []
-        row += ["/".join(str(p) for p in sorted({r.measures["partitions"] for r in g.results if r.measures["partitions"]}))] if partitions else []
+        row = [dict(g.labels)[a] for a in axes] + [g.arm, _reached(g.values("tta"), n, _sig), _stat(g.values("accuracy"), "{:.4f}".format)]
+        row += [_stat(g.values("budget_accuracy"), "{:.4f}".format)] if budget is not None else []
+        row += [_stat(g.values("samples_per_second"), "{:.0f}".format), _stat([b / 1e6 for b in g.values("bytes_per_worker")], _sig)]
+        row += [_stat([b / 1e6 for b in g.values("server_bytes_in")], _sig)] if servers else []
+        if base is not None:
+            row += ["baseline" if g.arm == base else f"{base} not reached" if not reached.get(g.labels) else _reached(g.values("speedup"), n, "{:.2f}".format)]
+        row += [", ".join(str(p) for p in sorted(set(g.values("partitions")))) or "-"] if partitions else []
         rows.append(row)
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
 
 
-def _stat(values: list[float], fmt: str) -> str:
+def _stat(values: list[float], show: Callable[[float], str]) -> str:
     """mean ± std (sample standard deviation), or just the value for one, or "-" for none."""
     if not values:
         return "-"
-    mean = fmt.format(float(np.mean(values)))
-    return mean if len(values) == 1 else f"{mean} ± {fmt.format(float(np.std(values, ddof=1))).rstrip('x')}"
+    mean = show(float(np.mean(values)))
+    return mean if len(values) == 1 else f"{mean} ± {show(float(np.std(values, ddof=1)))}"
 
 
-def _reached(values: list[float], n: int, fmt: str) -> str:
+def _sig(x: float) -> str:
+    """Three significant digits, keeping trailing zeros (4.00, 12.3, 0.213, 1234)."""
+    digits = 0 if x == 0 else math.floor(math.log10(abs(x)))
+    return f"{x:.{max(0, 2 - digits)}f}"
+
+
+def _reached(values: list[float], n: int, fmt: Callable[[float], str]) -> str:
     """_stat, with "(k/n)" when only k of the n seeds reached the target."""
     if not values:
         return f"not reached (0/{n})"
@@ -206,13 +218,20 @@ def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
+_CSV = {  # column -> measure
+    "time_to_target_s": "tta", "final_accuracy": "accuracy", "accuracy_at_budget": "budget_accuracy",
+    "speedup_over_baseline": "speedup", "samples_per_s": "samples_per_second",
+    "bytes_sent_per_worker_per_s": "bytes_per_worker", "bytes_in_per_server_per_s": "server_bytes_in", "partitions": "partitions",
+}  # fmt: skip
+
+
 def _csv(sweep: Sweep, results: list[Result]) -> str:
-    keys = ["tta", "accuracy", "budget_accuracy", "speedup", "samples_per_second", "bytes_per_worker", "server_bytes_in", "partitions"]
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["cell", "arm", *sweep.axes, *keys])
+    writer.writerow(["cell", "arm", *sweep.axes, *_CSV])
     for r in results:
-        writer.writerow([r.cell.name, r.cell.arm, *(r.cell.label(a) for a in sweep.axes), *(r.measures.get(k) for k in keys)])
+        values = [r.measures.get(m) for m in _CSV.values()]
+        writer.writerow([r.cell.name, r.cell.arm, *(r.cell.label(a) for a in sweep.axes), *("" if v is None else v for v in values)])
     return buffer.getvalue()
 
 
@@ -268,15 +287,16 @@ def _per_panel(sweep: Sweep, groups: list[Group], x_axis: str | None, out: Path,
 def _accuracy_vs_time(ax, groups: list[Group], sweep: Sweep, _x) -> None:
     """Each seed's curve thin; the mean over seeds bold, up to the shortest run's end, with the
     min-max band."""
-    for i, g in enumerate(groups):
-        color = f"C{i % 10}"
-        ends = [r.records[-1]["time"] for r in g.results]
-        grid = np.linspace(0.0, min(ends), 200)
+    for g in groups:
+        color = _colour(sweep, g.arm)
+        starts, ends = [r.records[0]["time"] for r in g.results], [r.records[-1]["time"] for r in g.results]
+        grid = np.linspace(max(starts), min(ends), 200)  # where every seed has an evaluation
         curves = np.array([[accuracy_at(r.records, t) or 0.0 for t in grid] for r in g.results])
         for r in g.results:
             times, accuracy = [x["time"] for x in r.records], [x["test_accuracy"] or 0.0 for x in r.records]
             ax.plot(times, accuracy, color=color, lw=0.6, alpha=0.4, drawstyle="steps-post")
-        ax.plot(grid, curves.mean(axis=0), color=color, lw=1.8, label=f"{g.arm} ({len(g.results)} seeds)")
+        seeds = len(g.results)
+        ax.plot(grid, curves.mean(axis=0), color=color, lw=1.8, label=f"{g.arm} ({seeds} seed{'s' if seeds > 1 else ''})")
         if len(g.results) > 1:
             ax.fill_between(grid, curves.min(axis=0), curves.max(axis=0), color=color, alpha=0.15, step="post")
     ax.axhline(target_of(sweep), color="grey", lw=0.8, ls=":")
@@ -291,8 +311,8 @@ def _against(measure: str, ylabel: str, skip: str | None = None, unity: bool = F
 
     def draw(ax, groups: list[Group], sweep: Sweep, x_axis: str) -> None:
         positions, ticks = _positions(sweep, x_axis)
-        for i, arm in enumerate(a for a in sweep.arms if a != skip):
-            _line(ax, [g for g in groups if g.arm == arm], measure, x_axis, positions, f"C{i % 10}", arm)
+        for arm in (a for a in sweep.arms if a != skip):
+            _line(ax, [g for g in groups if g.arm == arm], measure, x_axis, positions, _colour(sweep, arm), arm)
         if unity:
             ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         _x_axis(ax, x_axis, positions, ticks)
@@ -304,14 +324,15 @@ def _against(measure: str, ylabel: str, skip: str | None = None, unity: bool = F
 def _bytes_against(ax, groups: list[Group], sweep: Sweep, x_axis: str) -> None:
     """Bytes sent per worker per second (solid) and each server's bytes in (dashed)."""
     positions, ticks = _positions(sweep, x_axis)
-    for i, arm in enumerate(sweep.arms):
-        mine = [g for g in groups if g.arm == arm]
-        _line(ax, mine, "bytes_per_worker", x_axis, positions, f"C{i % 10}", f"{arm}: per worker", scale=1e-6)
+    for arm in sweep.arms:
+        mine, colour = [g for g in groups if g.arm == arm], _colour(sweep, arm)
+        _line(ax, mine, "bytes_per_worker", x_axis, positions, colour, f"{arm}: per worker", scale=1e-6)
         if any(g.values("server_bytes_in") for g in mine):
-            _line(ax, mine, "server_bytes_in", x_axis, positions, f"C{i % 10}", f"{arm}: per server, in", scale=1e-6, ls="--")
+            _line(ax, mine, "server_bytes_in", x_axis, positions, colour, f"{arm}: per server, in", scale=1e-6, ls="--")
     _x_axis(ax, x_axis, positions, ticks)
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter("{x:g}")
+    ax.yaxis.set_minor_formatter("{x:g}")
     ax.set_ylabel("MB/s")
 
 
@@ -323,11 +344,17 @@ def _line(ax, groups: list[Group], measure: str, x_axis: str, positions: dict, c
             spread = float(np.std(values, ddof=1)) if len(values) > 1 else 0.0
             points.append((positions[dict(g.labels)[x_axis]], float(np.mean(values)), spread, len(values) == len(g.results)))
     if not points:
+        ax.plot([], [], color=color, ls=ls, label=f"{label}: none reached")  # said in the legend
         return
     points.sort()
     xs, ys, errs, whole = zip(*points)
     ax.errorbar(xs, ys, yerr=errs, color=color, ls=ls, marker="none", capsize=3, label=label)
     ax.scatter(xs, ys, color=[color if w else "white" for w in whole], edgecolors=color, zorder=3, s=28)
+
+
+def _colour(sweep: Sweep, arm: str) -> str:
+    """An arm's colour, the same in every figure."""
+    return f"C{list(sweep.arms).index(arm) % 10}"
 
 
 def _positions(sweep: Sweep, x_axis: str) -> tuple[dict[str, float], bool]:

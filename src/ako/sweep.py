@@ -64,6 +64,7 @@ class Cell:
     arm: str
     labels: tuple[tuple[str, str], ...]  # (axis, label) in the file's axis order
     settings: dict  # TrainConfig values: base, then the axes' values, then the arm's
+    runtime: str  # "simulate" or "train"
 
     @property
     def name(self) -> str:
@@ -101,7 +102,7 @@ class Sweep:
                     settings.update(value if isinstance(value, dict) else {axis: value})
                 settings.update(arm_settings)
                 labels = tuple((a, chosen[a][0]) for a in self.axes)
-                cells.append(Cell(arm, labels, settings))
+                cells.append(Cell(arm, labels, settings, self.runtime))
         return cells
 
 
@@ -119,7 +120,7 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     try:
         sweep = _parse(data, text, default_name=path.stem)
         for cell in sweep.cells():
-            _check_cell(cell, sweep.runtime)
+            _check_cell(cell)
     except ConfigError as e:
         raise ConfigError(f"sweep file {str(path)!r}: {e}") from None
     return sweep
@@ -215,9 +216,9 @@ def _arms(value, base: dict) -> dict[str, dict]:
     return arms
 
 
-def _check_cell(cell: Cell, runtime: str) -> None:
+def _check_cell(cell: Cell) -> None:
     try:
-        validate(TrainConfig(**cell.settings), simulated=runtime == "simulate")
+        validate(TrainConfig(**cell.settings), simulated=cell.runtime == "simulate")
     except ConfigError as e:
         raise ConfigError(f"cell {cell.name}: {e}") from None
     except TypeError as e:  # a value TrainConfig cannot even hold
@@ -228,12 +229,12 @@ def _check_cell(cell: Cell, runtime: str) -> None:
 
 
 def finished(cell_dir: Path, cell: Cell) -> Path | None:
-    """The cell's run directory when its run finished with these settings, else None."""
+    """The cell's run directory when its run finished with these settings on this runtime, else None."""
     try:
         recorded = json.loads((cell_dir / "cell.json").read_text())
     except (OSError, ValueError):
         return None
-    if recorded.get("settings") != _jsonable(cell.settings):
+    if not isinstance(recorded, dict) or recorded.get("settings") != _jsonable(cell.settings) or recorded.get("runtime") != cell.runtime:
         return None
     return next((p.parent for p in sorted(cell_dir.glob("*/summary.json"))), None)
 
@@ -271,7 +272,7 @@ def run_sweep(sweep: Sweep, out: Path, jobs: int = 1, progress: bool | None = No
         try:
             pending = iter(todo)
             for cell in itertools.islice(pending, jobs):
-                running[pool.submit(run_cell, sweep.runtime, cell, out / "cells" / cell.name, jobs, stop)] = cell
+                running[pool.submit(run_cell, cell, out / "cells" / cell.name, jobs, stop)] = cell
             while running:
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
@@ -285,7 +286,7 @@ def run_sweep(sweep: Sweep, out: Path, jobs: int = 1, progress: bool | None = No
                     bar.update(1)
                     nxt = next(pending, None)
                     if nxt is not None:
-                        running[pool.submit(run_cell, sweep.runtime, nxt, out / "cells" / nxt.name, jobs, stop)] = nxt
+                        running[pool.submit(run_cell, nxt, out / "cells" / nxt.name, jobs, stop)] = nxt
         except BaseException:
             stop.set()
             raise
@@ -294,14 +295,14 @@ def run_sweep(sweep: Sweep, out: Path, jobs: int = 1, progress: bool | None = No
     return failed
 
 
-def run_cell(runtime: str, cell: Cell, cell_dir: Path, jobs: int, stop: threading.Event) -> tuple[int, str]:
-    """Run one cell as `python -m ako <runtime> --config cell.toml` in a fresh `cell_dir`.
+def run_cell(cell: Cell, cell_dir: Path, jobs: int, stop: threading.Event) -> tuple[int, str]:
+    """Run one cell as `python -m ako <simulate|train> --config cell.toml` in a fresh `cell_dir`.
     Returns (exit status, a one-line result or error)."""
     if cell_dir.exists():
         shutil.rmtree(cell_dir)  # an unfinished or outdated run: start the cell again
     cell_dir.mkdir(parents=True)
     write_atomic(cell_dir / "cell.toml", tomli_w.dumps(cell.settings))
-    command = [sys.executable, "-m", "ako", runtime, "--config", str(cell_dir / "cell.toml"),
+    command = [sys.executable, "-m", "ako", cell.runtime, "--config", str(cell_dir / "cell.toml"),
                "--out-dir", str(cell_dir), "--no-progress"]  # fmt: skip
     env = dict(os.environ, OMP_NUM_THREADS="1") if jobs > 1 else None  # one core per cell
     started = time.monotonic()
@@ -313,7 +314,8 @@ def run_cell(runtime: str, cell: Cell, cell_dir: Path, jobs: int, stop: threadin
                 return 130, "interrupted"
     status = process.returncode
     if status == 0 and (run := next(cell_dir.glob("*/summary.json"), None)) is not None:
-        write_atomic(cell_dir / "cell.json", json.dumps({"arm": cell.arm, "labels": dict(cell.labels), "settings": _jsonable(cell.settings)}, indent=2))
+        record = {"arm": cell.arm, "labels": dict(cell.labels), "runtime": cell.runtime, "settings": _jsonable(cell.settings)}
+        write_atomic(cell_dir / "cell.json", json.dumps(record, indent=2))
         return 0, _outcome(json.loads(run.read_text()), cell, time.monotonic() - started)
     lines = (cell_dir / "log.txt").read_text().strip().splitlines()
     return status or 1, lines[-1] if lines else f"exit status {status}"
