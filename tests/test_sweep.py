@@ -191,6 +191,14 @@ def test_report_means_spreads_and_paired_speedups(tmp_path):
         (("[grid]", "[report]\nbudget = -1\n[grid]"), "report budget -1: must be a number > 0"),
         (("[base]", "[base]\nresume = 'x'"), "base: 'resume' is set by the sweep for each cell"),
         (("[grid]", "[grid]\nstraggler = 'rank=1'"), "grid straggler 'rank=1': must be a list of values or a table"),
+        (('name = "bsp"\n', 'name = "x/y"\n'), "arm 2 name 'x/y': must be letters, digits and"),
+        (('runtime = "simulate"', 'runtime = "simulate"\nname = ".."'), "name '..': must be letters, digits"),
+        (("[grid]", '[grid.lr]\n"a b" = 0.1\n"a_b" = 0.2\n[grid]'), "would share the directory 'arm=allreduce,lr=a_b,workers=2'"),
+        (("[grid]", '[grid.lr]\n"1" = { lr = 0.1, workers = 3 }\n[grid]'), "sets 'workers', which grid"),
+        (("[grid]", "[report]\ntarget = 1.5\n[grid]"), "report target 1.5: must be a number > 0 and <= 1"),
+        (("[grid]", "[report]\nbudget = inf\n[grid]"), "report budget inf: must be a number > 0 and <= 1e9"),
+        (("[base]", "[base]\nbatch-size = 8"), "base: 'batch_size' is given twice, spelled with - and with _"),
+        (("workers = [2, 4]", "workers = [2, 4]\nseed = " + str(list(range(3000)))), "the grid has 12000 cells; at most 10000"),
     ],
 )
 def test_bad_sweep_files(tmp_path, capsys, change, message):
@@ -290,4 +298,16 @@ def test_a_cell_is_finished_only_for_the_same_settings_and_runtime(tmp_path):
     file.write_text(STRAGGLERS.replace("workers = 4", "workers = 5"))
     assert finished(cell_dir, load_sweep(file).cells()[0]) is None
     (cell_dir / "cell.json").write_text("[1, 2")  # a cell.json cut short
+    assert finished(cell_dir, cell) is None
+
+
+@pytest.mark.parametrize("damage", ["summary", "metrics", "cell"])
+def test_a_cell_with_damaged_outputs_is_not_finished(tmp_path, damage):
+    file = tmp_path / "s.toml"
+    file.write_text(STRAGGLERS)
+    cell = load_sweep(file).cells()[0]
+    fake_cell(tmp_path, cell, [(0, 0.1), (1, 0.6)], 1000)
+    cell_dir = tmp_path / "cells" / cell.name
+    run = next(cell_dir.glob("*/summary.json")).parent
+    {"summary": run / "summary.json", "metrics": run / "metrics.jsonl", "cell": cell_dir / "cell.json"}[damage].write_text("[]")
     assert finished(cell_dir, cell) is None

@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _positive(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 256:
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 256:
         raise argparse.ArgumentTypeError(f"jobs {text!r}: must be an integer from 1 to 256")
     return int(text)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ import numpy as np
 
 from ako.config import ConfigError
 from ako.metrics import time_to_accuracy, write_atomic
-from ako.sweep import Cell, Sweep, finished, load_sweep
+from ako.sweep import Cell, Sweep, finished, load_run, load_sweep, safe_name
 
 DEFAULT_TARGET = 0.85
 
@@ -64,11 +63,14 @@ def write_report(sweep_dir: str | Path, out: str | Path | None = None) -> Path:
     if not results:
         raise ConfigError(f"sweep directory {str(sweep_dir)!r}: no finished cell yet (run ako sweep first)")
     out = Path(out) if out is not None else sweep_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
     groups = group(sweep, results)
-    figures = plots(sweep, groups, out)
-    write_atomic(out / "cells.csv", _csv(sweep, results))
-    write_atomic(out / "report.md", markdown(sweep, groups, figures, len(results)))
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        figures = plots(sweep, groups, out)
+        write_atomic(out / "cells.csv", _csv(sweep, results))
+        write_atomic(out / "report.md", markdown(sweep, groups, figures, len(results)))
+    except OSError as e:
+        raise ConfigError(f"report directory {str(out)!r}: cannot write there ({e.strerror or e})") from None
     return out / "report.md"
 
 
@@ -84,10 +86,10 @@ def collect(sweep: Sweep, sweep_dir: Path) -> list[Result]:
     results = []
     for cell in sweep.cells():
         run = finished(sweep_dir / "cells" / cell.name, cell)
-        if run is None:
+        outputs = None if run is None else load_run(run)
+        if outputs is None:
             continue
-        summary = json.loads((run / "summary.json").read_text())
-        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+        summary, records = outputs
         servers = [s["bytes_in_per_second"] for s in summary.get("per_server", [])]
         measures = {
             "tta": time_to_accuracy(records, target),
@@ -156,10 +158,10 @@ def markdown(sweep: Sweep, groups: list[Group], figures: list[Path], finished_ce
         "",
         f"{finished_cells} of {len(sweep.cells())} cells finished, on the {'simulated' if sweep.runtime == 'simulate' else 'distributed'} "
         f"runtime ({'virtual' if sweep.runtime == 'simulate' else 'training'} seconds). Figures: {spread}. "
-        f"Time to {target:.0%} is rank 0's replica's test accuracy; a seed that did not reach it is left out "
+        f"Time to {_percent(target)} is rank 0's replica's test accuracy; a seed that did not reach it is left out "
         "of the mean, and (k/n) counts the seeds that did. Speed-up: per seed, the baseline's time to the target "
         "over the arm's, where both reached it. Each cell's run directory is under `cells/<cell>/`; `cells.csv` "
-        "has every cell.",
+        "has every finished cell.",
         "",
         *_table(sweep, groups, target, budget),
         "",
@@ -173,7 +175,7 @@ def _table(sweep: Sweep, groups: list[Group], target: float, budget: float | Non
     axes = [a for a in sweep.axes if a != "seed"]
     servers = any(g.values("server_bytes_in") for g in groups)
     partitions = any(g.values("partitions") for g in groups)
-    header = [*axes, "arm", f"time to {target:.0%} (s)", "final accuracy"]
+    header = [*axes, "arm", f"time to {_percent(target)} (s)", "final accuracy"]
     header += [f"accuracy at {budget:g} s"] if budget is not None else []
     header += ["samples/s", "sent per worker (MB/s)"] + (["server in (MB/s)"] if servers else [])
     header += [f"speed-up over {base}"] if base is not None else []
@@ -182,7 +184,7 @@ def _table(sweep: Sweep, groups: list[Group], target: float, budget: float | Non
     rows = []
     for g in groups:
         n = len(g.results)
-        row = [dict(g.labels)[a] for a in axes] + [g.arm, _reached(g.values("tta"), n, _sig), _stat(g.values("accuracy"), "{:.4f}".format)]
+        row = [dict(g.labels)[a].replace("|", "\\|") for a in axes] + [g.arm, _reached(g.values("tta"), n, _sig), _stat(g.values("accuracy"), "{:.4f}".format)]
         row += [_stat(g.values("budget_accuracy"), "{:.4f}".format)] if budget is not None else []
         row += [_stat(g.values("samples_per_second"), "{:.0f}".format), _stat([b / 1e6 for b in g.values("bytes_per_worker")], _sig)]
         row += [_stat([b / 1e6 for b in g.values("server_bytes_in")], _sig)] if servers else []
@@ -199,6 +201,10 @@ def _stat(values: list[float], show: Callable[[float], str]) -> str:
         return "-"
     mean = show(float(np.mean(values)))
     return mean if len(values) == 1 else f"{mean} ± {show(float(np.std(values, ddof=1)))}"
+
+
+def _percent(fraction: float) -> str:
+    return f"{fraction * 100:.4g}%"
 
 
 def _sig(x: float) -> str:
@@ -246,12 +252,12 @@ def plots(sweep: Sweep, groups: list[Group], out: Path) -> list[Path]:
     target, budget = target_of(sweep), sweep.report.get("budget")
     files = _per_panel(sweep, groups, None, out, "accuracy-vs-time", _accuracy_vs_time)
     if len(sweep.axes.get("workers", {})) > 1:
-        files += _per_panel(sweep, groups, "workers", out, "time-to-accuracy-vs-workers", _against("tta", f"seconds to {target:.0%}"))
+        files += _per_panel(sweep, groups, "workers", out, "time-to-accuracy-vs-workers", _against("tta", f"seconds to {_percent(target)}"))
         files += _per_panel(sweep, groups, "workers", out, "bytes-per-worker-vs-workers", _bytes_against)
         if budget is not None:
             files += _per_panel(sweep, groups, "workers", out, "accuracy-at-budget-vs-workers", _against("budget_accuracy", f"test accuracy at {budget:g} s"))
     if "straggler" in sweep.axes and baseline_arm(sweep) is not None:
-        ylabel = f"speed-up over {baseline_arm(sweep)} (time to {target:.0%})"
+        ylabel = f"speed-up over {baseline_arm(sweep)} (time to {_percent(target)})"
         files += _per_panel(sweep, groups, "straggler", out, "speedup-vs-straggler", _against("speedup", ylabel, skip=baseline_arm(sweep), unity=True))
     return files
 
@@ -274,7 +280,7 @@ def _per_panel(sweep: Sweep, groups: list[Group], x_axis: str | None, out: Path,
             ax.legend(fontsize=8)
         else:
             ax.text(0.5, 0.5, "no seed has a value here", transform=ax.transAxes, ha="center", color="grey")
-        path = out / (stem + ("_" + ",".join(f"{a}={v}" for a, v in labels) if labels else "") + ".png")
+        path = out / safe_name(stem + ("_" + ",".join(f"{a}={v}" for a, v in labels) if labels else "") + ".png")
         fig.tight_layout()
         tmp = path.with_name(f".{path.name}.tmp.png")
         fig.savefig(tmp, dpi=110)

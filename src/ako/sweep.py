@@ -34,7 +34,9 @@ from __future__ import annotations
 import fcntl
 import itertools
 import json
+import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,6 +53,8 @@ from ako.config import FIELDS, ConfigError, TrainConfig, validate
 from ako.metrics import write_atomic
 
 RUNTIMES = ("simulate", "train")
+MAX_CELLS = 10_000
+_NAME = re.compile(r"[\w+=,-][\w.+=,-]{0,99}")  # sweep and arm names: safe in a file name
 _SECTIONS = {"name", "runtime", "base", "grid", "arm", "report"}
 _REPORT_KEYS = {"target", "budget"}
 _RESERVED = ("out_dir", "progress", "resume")  # the sweep decides these for each cell
@@ -69,8 +73,7 @@ class Cell:
     @property
     def name(self) -> str:
         """The cell's directory name, e.g. "arm=ps-2,workers=16,seed=1"."""
-        parts = [f"arm={self.arm}", *(f"{axis}={label}" for axis, label in self.labels)]
-        return ",".join(parts).replace("/", "_").replace(" ", "_")
+        return safe_name(",".join([f"arm={self.arm}", *(f"{axis}={label}" for axis, label in self.labels)]))
 
     def label(self, axis: str) -> str | None:
         """This cell's label on `axis` ("arm" gives the arm), or None when there is no such axis."""
@@ -134,30 +137,70 @@ def _parse(data: dict, text: str, default_name: str) -> Sweep:
     if runtime not in RUNTIMES:
         raise ConfigError(f"runtime {runtime!r}: choose simulate or train")
     name = data.get("name", default_name)
-    if not isinstance(name, str) or not name or "/" in name:
-        raise ConfigError(f"name {name!r}: must be a non-empty string without '/'")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ConfigError(f"name {name!r}: must be letters, digits and . _ + = , - (not starting with .), at most 100")
     base = _settings("base", data.get("base", {}))
     axes = {axis: _axis(axis, values) for axis, values in _table("grid", data.get("grid", {})).items()}
     arms = _arms(data.get("arm", []), base)
-    varied = {key for axis, values in axes.items() for v in values.values() for key in (v if isinstance(v, dict) else [axis])}
+    _check_overlaps(axes, arms)
+    report = _report(data.get("report", {}))
+    sweep = Sweep(name, runtime, base, axes, arms, report, text)
+    _check_size(sweep)
+    return sweep
+
+
+def _check_overlaps(axes: dict, arms: dict) -> None:
+    """No setting may be given by two axes, or by an axis and an arm: one would hide the other."""
+    owner: dict[str, str] = {}
+    for axis, values in axes.items():
+        for key in {k for v in values.values() for k in (v if isinstance(v, dict) else [axis])}:
+            if owner.setdefault(key, axis) != axis:
+                raise ConfigError(f"grid {axis} sets {key!r}, which grid {owner[key]} sets too")
     for arm, settings in arms.items():
-        both = sorted(set(settings) & varied)
+        both = sorted(set(settings) & set(owner))
         if both:
             raise ConfigError(f"arm {arm!r} sets {both[0]!r}, which is also an axis of the grid")
-    report = _table("report", data.get("report", {}))
+
+
+def _report(value) -> dict:
+    report = _table("report", value)
     if set(report) - _REPORT_KEYS:
         raise ConfigError(f"report: unknown key {sorted(set(report) - _REPORT_KEYS)[0]!r}; allowed: budget, target")
-    for key in report:
-        value = report[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise ConfigError(f"report {key} {value!r}: must be a number > 0")
-    return Sweep(name, runtime, base, axes, arms, report, text)
+    limits = {"target": (1.0, "a number > 0 and <= 1"), "budget": (1e9, "a number > 0 and <= 1e9 (seconds)")}
+    for key, value in report.items():
+        high, allowed = limits[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
+            raise ConfigError(f"report {key} {value!r}: must be {allowed}")
+    return report
+
+
+def _check_size(sweep: Sweep) -> None:
+    """At most MAX_CELLS cells, each with a directory name of its own."""
+    count = len(sweep.arms) * math.prod(len(v) for v in sweep.axes.values())
+    if count > MAX_CELLS:
+        raise ConfigError(f"the grid has {count} cells; at most {MAX_CELLS} are allowed")
+    seen: dict[str, Cell] = {}
+    for cell in sweep.cells():
+        if len(cell.name.encode()) > 200:
+            raise ConfigError(f"cell {cell.name[:60]}...: its name is longer than 200 bytes; use shorter labels")
+        other = seen.setdefault(cell.name, cell)
+        if other is not cell:
+            raise ConfigError(f"cells {_describe(other)} and {_describe(cell)} would share the directory {cell.name!r}; rename one")
+
+
+def _describe(cell: Cell) -> str:
+    return ",".join([f"arm={cell.arm!r}", *(f"{a}={v!r}" for a, v in cell.labels)])
 
 
 def _table(where: str, value) -> dict:
+    """A TOML table with `batch-size` read as `batch_size` (both at once is an error)."""
     if not isinstance(value, dict):
         raise ConfigError(f"{where}: must be a table")
-    return {key.replace("-", "_"): v for key, v in value.items()}
+    table = {}
+    for key, v in value.items():
+        if table.setdefault(key.replace("-", "_"), v) is not v:
+            raise ConfigError(f"{where}: {key!r} is given twice, spelled with - and with _")
+    return table
 
 
 def _settings(where: str, value) -> dict:
@@ -192,6 +235,11 @@ def _axis(axis: str, values) -> dict[str, object]:
     return labelled
 
 
+def safe_name(text: str) -> str:
+    """`text` with what a file name cannot hold, or should not (/ NUL whitespace |), as _."""
+    return re.sub(r"[/\x00\s|]", "_", text)
+
+
 def _label(value) -> str:
     if isinstance(value, list):
         return "+".join(map(str, value)) or "none"
@@ -208,8 +256,10 @@ def _arms(value, base: dict) -> dict[str, dict]:
     for i, table in enumerate(value):
         table = dict(_table(f"arm {i + 1}", table))
         name = table.pop("name", table.get("strategy"))
-        if not isinstance(name, str) or not name:
+        if name is None:
             raise ConfigError(f"arm {i + 1}: needs a name (or a strategy)")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ConfigError(f"arm {i + 1} name {name!r}: must be letters, digits and . _ + = , - (not starting with .), at most 100")
         if name in arms:
             raise ConfigError(f"arm {name!r}: two arms have this name")
         arms[name] = _settings(f"arm {name!r}", table)
@@ -229,14 +279,28 @@ def _check_cell(cell: Cell) -> None:
 
 
 def finished(cell_dir: Path, cell: Cell) -> Path | None:
-    """The cell's run directory when its run finished with these settings on this runtime, else None."""
+    """The cell's run directory when its run finished with these settings on this runtime and
+    its outputs can be read, else None (the cell is to be run again)."""
     try:
         recorded = json.loads((cell_dir / "cell.json").read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(recorded, dict) or recorded.get("settings") != _jsonable(cell.settings) or recorded.get("runtime") != cell.runtime:
         return None
-    return next((p.parent for p in sorted(cell_dir.glob("*/summary.json"))), None)
+    run = next((p.parent for p in sorted(cell_dir.glob("*/summary.json"))), None)
+    return run if run is not None and load_run(run) is not None else None
+
+
+def load_run(run: Path) -> tuple[dict, list[dict]] | None:
+    """A finished run's summary and evaluation records, or None when either cannot be read."""
+    try:
+        summary = json.loads((run / "summary.json").read_text())
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError):
+        return None
+    good = isinstance(summary, dict) and isinstance(summary.get("test_accuracy"), (int, float))
+    good = good and records and all(isinstance(r, dict) and isinstance(r.get("time"), (int, float)) for r in records)
+    return (summary, records) if good else None
 
 
 def _jsonable(settings: dict) -> dict:
@@ -254,14 +318,16 @@ def run_sweep(sweep: Sweep, out: Path, jobs: int = 1, progress: bool | None = No
     Raises SweepFailed when a cell reports bad input or another sweep holds `out`;
     KeyboardInterrupt stops the running cells.
     """
-    out.mkdir(parents=True, exist_ok=True)
-    lock = open(out / ".lock", "w")  # noqa: SIM115 -- held until this function returns
     try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = open(out / ".lock", "w")  # noqa: SIM115 -- held until this function returns
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        named = sweep.text if "name" in tomllib.loads(sweep.text) else f"name = {json.dumps(sweep.name)}\n{sweep.text}"
+        write_atomic(out / "sweep.toml", named)  # what `ako report` reads, under the sweep's name
     except BlockingIOError:
         raise SweepFailed(f"sweep directory {str(out)!r}: another ako sweep is running in it") from None
-    named = sweep.text if "name" in tomllib.loads(sweep.text) else f"name = {json.dumps(sweep.name)}\n{sweep.text}"
-    write_atomic(out / "sweep.toml", named)  # what `ako report` reads, under the sweep's name
+    except OSError as e:
+        raise SweepFailed(f"sweep directory {str(out)!r}: cannot write there ({e.strerror or e})") from None
     cells = sweep.cells()
     todo = [c for c in cells if finished(out / "cells" / c.name, c) is None]
     bar = _progress(len(cells), len(cells) - len(todo), progress)
@@ -298,6 +364,13 @@ def run_sweep(sweep: Sweep, out: Path, jobs: int = 1, progress: bool | None = No
 def run_cell(cell: Cell, cell_dir: Path, jobs: int, stop: threading.Event) -> tuple[int, str]:
     """Run one cell as `python -m ako <simulate|train> --config cell.toml` in a fresh `cell_dir`.
     Returns (exit status, a one-line result or error)."""
+    try:
+        return _run_cell(cell, cell_dir, jobs, stop)
+    except OSError as e:  # the disk, not the cell: say so and go on with the others
+        return 1, f"cannot write in {cell_dir}: {e.strerror or e}"
+
+
+def _run_cell(cell: Cell, cell_dir: Path, jobs: int, stop: threading.Event) -> tuple[int, str]:
     if cell_dir.exists():
         shutil.rmtree(cell_dir)  # an unfinished or outdated run: start the cell again
     cell_dir.mkdir(parents=True)
@@ -313,10 +386,11 @@ def run_cell(cell: Cell, cell_dir: Path, jobs: int, stop: threading.Event) -> tu
                 _stop(process)
                 return 130, "interrupted"
     status = process.returncode
-    if status == 0 and (run := next(cell_dir.glob("*/summary.json"), None)) is not None:
+    run = next((p.parent for p in cell_dir.glob("*/summary.json")), None)
+    if status == 0 and run is not None and (outputs := load_run(run)) is not None:
         record = {"arm": cell.arm, "labels": dict(cell.labels), "runtime": cell.runtime, "settings": _jsonable(cell.settings)}
         write_atomic(cell_dir / "cell.json", json.dumps(record, indent=2))
-        return 0, _outcome(json.loads(run.read_text()), cell, time.monotonic() - started)
+        return 0, _outcome(outputs[0], cell, time.monotonic() - started)
     lines = (cell_dir / "log.txt").read_text().strip().splitlines()
     return status or 1, lines[-1] if lines else f"exit status {status}"
 
@@ -335,6 +409,7 @@ def _outcome(summary: dict, cell: Cell, seconds: float) -> str:
     target = cell.settings.get("target_accuracy")
     text = f"accuracy {summary['test_accuracy']:.4f}"
     if target:
+        target = float(target)  # validated; it may be written as a string
         tta = summary["time_to_accuracy"].get(f"{target:g}")
         text += f", {target:.0%} " + ("not reached" if tta is None else f"at {tta:.1f} s")
     return f"{text} ({seconds:.0f} s)"
