@@ -112,3 +112,16 @@ def test_a_broken_rendezvous_fails_within_the_timeout_naming_the_cause(tmp_path,
     assert "Traceback" not in proc.stderr
     assert "ako: worker rank 1: the workers did not all join within 3 s" in proc.stderr, proc.stderr
     assert elapsed < 2 * 3 + 10 + 15  # the store's retries (or our guard), plus starting Python and torch
+
+
+@pytest.mark.parametrize(
+    "variable, value, allowed",
+    [("RANK", "abc", "from 0 to 1"), ("RANK", "2", "from 0 to 1"), ("WORLD_SIZE", "0", "from 1 to"), ("MASTER_PORT", "abc", "from 1 to 65535")],
+)
+def test_a_bad_torchrun_environment_is_one_line(tmp_path, variable, value, allowed):
+    env = _torchrun_env(29999) | {variable: value}
+    cmd = [sys.executable, "-m", "ako", "train", "--dataset", "digits", "--out-dir", str(tmp_path), "--no-progress"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"ako: error: environment variable {variable}={value!r}: must be an integer {allowed}")
+    assert proc.stderr.count("\n") == 1 and "torchrun sets it" in proc.stderr

@@ -62,9 +62,11 @@ def join_process_group(timeout: float, backend: str) -> tuple[int, int, dist.Sto
     Each restart attempt uses its own key prefix in the agent's store: Gloo would otherwise
     read the previous attempt's stale addresses (engine-facts.md, torchrun --max-restarts).
     """
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    store = _connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, timeout)
+    world = _environment("WORLD_SIZE", 1, 1 << 20)
+    rank = _environment("RANK", 0, world - 1)
+    attempt = _environment("TORCHELASTIC_RESTART_COUNT", 0, 1 << 20, default="0")
+    port = _environment("MASTER_PORT", 1, 65535)
+    store = _connect_store(os.environ.get("MASTER_ADDR", "localhost"), port, world, timeout)
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"ako/attempt{attempt}", store),
@@ -73,6 +75,14 @@ def join_process_group(timeout: float, backend: str) -> tuple[int, int, dist.Sto
         timeout=timedelta(seconds=timeout),
     )
     return rank, world, store
+
+
+def _environment(name: str, low: int, high: int, default: str | None = None) -> int:
+    """An integer the elastic agent sets in the environment. Raises ConfigError, naming it."""
+    text = os.environ.get(name, default)
+    if text is None or not text.strip().isdigit() or not low <= int(text) <= high:
+        raise ConfigError(f"environment variable {name}={text!r}: must be an integer from {low} to {high} (torchrun sets it)")
+    return int(text)
 
 
 def _connect_store(host: str, port: int, world: int, timeout: float) -> dist.Store:
@@ -89,9 +99,10 @@ def _connect_store(host: str, port: int, world: int, timeout: float) -> dist.Sto
 
     thread = threading.Thread(target=connect, daemon=True)
     thread.start()
-    thread.join(2 * timeout + 10)  # the store's own retries first: their message says more
+    wait = 2 * timeout + 10  # the store's own retries first: their message says more
+    thread.join(wait)
     if not result:
-        raise RuntimeError(f"no answer from the store at {host}:{port} (is something else on that port?)")
+        raise RuntimeError(f"no answer from the store at {host}:{port} within {wait:.0f} s (is something else on that port?)")
     if isinstance(result[0], Exception):
         raise result[0]
     return result[0]
