@@ -205,10 +205,10 @@ def wait_for_checkpoint(out_dir: Path, world: int, deadline: float) -> None:
     raise AssertionError("no complete checkpoint appeared")
 
 
-def run_and_kill(cmd: list[str], victim: str, out_dir: Path, settle: float = 0.0, limit: float = 90.0, ready=None):
-    """Start `cmd`, kill -9 its child process named `victim` once `ready(out_dir, deadline)`
-    returns (default: training has begun) and `settle` seconds more; returns (exit status,
-    stdout, stderr, seconds from kill to end)."""
+def run_and_kill(cmd: list[str], victim: str, out_dir: Path, settle: float = 0.0, limit: float = 90.0, ready=None, sig=signal.SIGKILL):
+    """Start `cmd`, kill -9 (or send `sig` to) its child process named `victim` once
+    `ready(out_dir, deadline)` returns (default: training has begun) and `settle` seconds more;
+    returns (exit status, stdout, stderr, seconds from the signal to the end)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90
@@ -216,7 +216,7 @@ def run_and_kill(cmd: list[str], victim: str, out_dir: Path, settle: float = 0.0
         (ready or wait_for_metrics)(out_dir, deadline)
         time.sleep(settle)
         killed = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
         out, err = proc.communicate(timeout=limit)
         elapsed = time.monotonic() - killed
     finally:

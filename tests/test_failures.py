@@ -10,6 +10,7 @@ it ends with the parameters of a run that was never interrupted.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -94,3 +95,22 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
     assert summary["resumed_from_step"] > 0
     assert f"resuming {run_dir} from its checkpoint at step {summary['resumed_from_step']}" in err
     assert [w["steps"] for w in summary["per_worker"]] == [summary["iterations"]] * 2
+
+
+@pytest.mark.parametrize("strategy", ["ako", "allreduce"])
+def test_a_stopped_worker_never_hangs_the_run(tmp_path, strategy):
+    """SIGSTOP: the process is alive but silent. The run still ends within the timeout, as
+    after a kill: with the others carrying on (ako), or naming the stopped rank (allreduce)."""
+    out_dir = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "ako", "train", "--strategy", strategy, "--workers", "3", "--dataset", "digits",
+           "--epochs", "1000", "--max-time", "8", "--timeout", "5", "--checkpoint-every", "1s",
+           "--out-dir", str(out_dir), "--no-progress"]  # fmt: skip
+    ready = lambda out_dir, deadline: wait_for_checkpoint(out_dir, 3, deadline)  # noqa: E731 -- training is under way
+    code, out, err, elapsed = run_and_kill(cmd, "ako-rank2", out_dir, sig=signal.SIGSTOP, limit=60, ready=ready)
+    assert "Traceback" not in err, err
+    assert elapsed < 5 * 3 + 10, f"took {elapsed:.1f} s"
+    if strategy == "ako":
+        assert code == 0, err
+        assert "worker rank 2 died; the others carried on" in out or "lost" in out, out
+    else:
+        assert code == 1 and "worker rank 2 failed: stopped (SIGSTOP or a debugger)" in err, err

@@ -6,6 +6,7 @@ when one fails, so it cannot run a job that survives the loss of a worker.)"""
 from __future__ import annotations
 
 import ctypes
+import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
@@ -16,6 +17,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -124,7 +126,7 @@ def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable
         try:
             for rank in range(processes):
                 group.start(context, fn, args, rank, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-            return group.watch(set(survivable), role)
+            return group.watch(set(survivable), role, timeout)
         finally:
             group.stop()
             del store
@@ -146,12 +148,19 @@ class _Group:
         sender.close()
         self.procs[rank], self.pipes[rank] = proc, receiver
 
-    def watch(self, survivable: set[int], role) -> dict:
+    def watch(self, survivable: set[int], role, timeout: float) -> dict:
         """Collect results until every process has ended; raise WorkerFailed on a failure that
-        ends the job."""
+        ends the job. Once rank 0 has handed in its result (the run is over), a process that
+        has not ended `timeout` seconds later is stopped or hung: it is lost."""
         lost: dict[int, str] = {}
         running = set(self.procs)
+        deadline = math.inf
         while running:
+            if 0 in self.results and deadline == math.inf:
+                deadline = time.monotonic() + timeout
+            if time.monotonic() > deadline:
+                self._give_up(running, survivable, role, timeout)
+                break
             waitables = [self.procs[r].sentinel for r in running] + [self.pipes[r] for r in running if r not in self.results]
             mp_connection.wait(waitables, timeout=1.0)
             for rank in sorted(running):
@@ -164,8 +173,18 @@ class _Group:
                     continue
                 lost[rank] = _exit_status(code) if code else "exited without a result"
                 if rank not in survivable:
+                    stopped = next((r for r in sorted(running) if _stopped(self.procs[r].pid)), None)
+                    if stopped is not None:  # the cause, rather than the rank that timed out on it
+                        raise WorkerFailed(f"{role(stopped)} rank {stopped} failed: stopped (SIGSTOP or a debugger); the others timed out waiting for it")
                     raise WorkerFailed(f"{role(rank)} rank {rank} failed: {lost[rank]}")
         return self.results
+
+    def _give_up(self, running: set[int], survivable: set[int], role, timeout: float) -> None:
+        """Rank 0 is done and these have not ended within `timeout`: fail on the first that
+        had no result and is not survivable (the rest are lost, and stopped by `stop`)."""
+        for rank in sorted(running - set(self.results)):
+            if rank not in survivable:
+                raise WorkerFailed(f"{role(rank)} rank {rank} failed: did not end within {timeout:g} s of rank 0 (stopped or hung)")
 
     def _read(self, rank: int) -> None:
         pipe = self.pipes[rank]
@@ -183,6 +202,14 @@ class _Group:
                 proc.kill()
         for proc in self.procs.values():
             proc.join()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (state T or t in /proc; False where there is no /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _child(fn, args, env: dict, pipe) -> None:
