@@ -29,8 +29,12 @@ def run_dir(tmp_path):
     path.mkdir(parents=True)
     (path / "config.toml").write_text(to_toml(config))
     for rank in range(2):
-        checkpoint.save(path, 7, rank, 2, {**job.identity(numel), "role": "worker"})  # contents not needed here
+        checkpoint.save(path, 7, rank, 2, {**job.identity(numel), **WORKER_STATE})
     return path
+
+
+# the parts of a worker's state a checkpoint must have (their values do not matter here)
+WORKER_STATE = {"role": "worker", "params": torch.zeros(1), "optimizer": {}, "worker": {}, "bytes": [0, 0]}
 
 
 def resume(run_dir, capsys, *flags):
@@ -61,6 +65,30 @@ def test_a_corrupt_checkpoint_is_refused(run_dir, capsys):
     checkpoint.path(run_dir, 7, 0).write_bytes(b"not a checkpoint")
     code, err = resume(run_dir, capsys)
     assert code == 2 and err.count("\n") == 1 and "rank0.pt': cannot read it" in err, err
+
+
+def test_a_corrupt_file_of_any_rank_is_refused_before_anything_starts(run_dir, capsys):
+    checkpoint.path(run_dir, 7, 1).write_bytes(b"not a checkpoint")
+    before = (run_dir / "config.toml").read_text()
+    code, err = resume(run_dir, capsys)
+    assert code == 2 and err.count("\n") == 1 and "rank1.pt': cannot read it" in err, err
+    assert (run_dir / "config.toml").read_text() == before
+
+
+def test_another_worker_server_split_is_refused(tmp_path, capsys):
+    """bsp with 2 workers and 1 server, resumed as 1 worker and 2 servers: the same world size."""
+    config = small_config(tmp_path, strategy="bsp", servers=1, checkpoint_every="1s")
+    job = Job(config)
+    numel = job.build_replica(job.load_data(), torch.device("cpu")).numel
+    run_dir = tmp_path / "runs" / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.toml").write_text(to_toml(config))
+    for rank in range(3):
+        state = WORKER_STATE if rank < 2 else {"role": "server", "shard": {}, "bytes": [0, 0]}
+        checkpoint.save(run_dir, 7, rank, 3, {**job.identity(numel), **state})
+    code, err = resume(run_dir, capsys, "--workers", "1", "--servers", "2")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "rank1.pt': written by a run with role 'worker', not 'server'" in err, err
 
 
 def test_a_checkpoint_that_would_run_code_is_refused(run_dir, capsys):

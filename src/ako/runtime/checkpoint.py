@@ -127,16 +127,17 @@ def check(state: dict, expected: dict, file: str, contents: bool = False) -> Non
             )
 
 
-def find(run_dir: str | os.PathLike, expected: dict) -> int:
+def find(run_dir: str | os.PathLike, expected: dict, workers: int) -> int:
     """The step of `run_dir`'s latest complete checkpoint (complete for the world size it was
-    written by), after checking that rank 0's file reads and fits `expected`. Raises
-    CheckpointError."""
+    written by), after checking that every rank's file reads, is whole and fits `expected` and
+    this job's split into `workers` workers and the servers after them. Raises CheckpointError."""
     for point in _points(run_dir):
         if not path(run_dir, point, 0).is_file():
             continue
-        state = load(run_dir, point, 0)
-        world = state.get("world")
+        world = load(run_dir, point, 0).get("world")
         if isinstance(world, int) and _complete(run_dir, point, world):
-            check(state, expected, str(path(run_dir, point, 0)))
+            for rank in range(world):
+                role = "worker" if rank < workers else "server"
+                check(load(run_dir, point, rank), {**expected, "role": role}, str(path(run_dir, point, rank)), contents=True)
             return point
     raise CheckpointError(f"resume {str(run_dir)!r}: no complete checkpoint in it (one file per rank)")

@@ -87,7 +87,7 @@ class Job:
         self.validate(data, replica.numel)
         check_out_dir(self.config.out_dir)
         if self.config.resume is not None:
-            checkpoint.find(self.config.resume, self.identity(replica.numel))
+            checkpoint.find(self.config.resume, self.identity(replica.numel), self.config.workers)
         return data
 
     def identity(self, numel: int) -> dict:
