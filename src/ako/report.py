@@ -199,18 +199,27 @@ def _stat(values: list[float], show: Callable[[float], str]) -> str:
     """mean ± std (sample standard deviation), or just the value for one, or "-" for none."""
     if not values:
         return "-"
-    mean = show(float(np.mean(values)))
-    return mean if len(values) == 1 else f"{mean} ± {show(float(np.std(values, ddof=1)))}"
+    mean = float(np.mean(values))
+    if len(values) == 1:
+        return show(mean)
+    spread = float(np.std(values, ddof=1))
+    if show is _sig:  # the spread to the mean's decimals: 4.44 ± 0.59, 124 ± 0
+        return f"{_sig(mean)} ± {spread:.{_decimals(mean)}f}"
+    return f"{show(mean)} ± {show(spread)}"
 
 
 def _percent(fraction: float) -> str:
     return f"{fraction * 100:.4g}%"
 
 
+def _decimals(x: float) -> int:
+    """Decimals that show three significant digits of `x`."""
+    return max(0, 2 - (0 if x == 0 else math.floor(math.log10(abs(x)))))
+
+
 def _sig(x: float) -> str:
     """Three significant digits, keeping trailing zeros (4.00, 12.3, 0.213, 1234)."""
-    digits = 0 if x == 0 else math.floor(math.log10(abs(x)))
-    return f"{x:.{max(0, 2 - digits)}f}"
+    return f"{x:.{_decimals(x)}f}"
 
 
 def _reached(values: list[float], n: int, fmt: Callable[[float], str]) -> str:

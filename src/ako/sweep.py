@@ -121,7 +121,7 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"sweep file {str(path)!r}: {e}") from None
     try:
-        sweep = _parse(data, text, default_name=path.stem)
+        sweep = _parse(data, text, default_name=re.sub(r"[^\w.+=,-]", "_", path.stem).lstrip(".") or "sweep")
         for cell in sweep.cells():
             _check_cell(cell)
     except ConfigError as e:
