@@ -18,23 +18,28 @@ class Payload:
     """Not a tensor, number, string, list or dict: weights_only=True refuses to unpickle it."""
 
 
-@pytest.fixture
-def run_dir(tmp_path):
-    """A run directory as a 2-worker `ako train --checkpoint-every` leaves it: its config and a
-    complete checkpoint at step 7 that fits it."""
-    config = small_config(tmp_path, strategy="allreduce", checkpoint_every="1s")
+# the parts of a worker's and a server's state a checkpoint must have (their values do not matter here)
+WORKER_STATE = {"role": "worker", "params": torch.zeros(1), "optimizer": {}, "worker": {}, "bytes": [0, 0]}
+SERVER_STATE = {"role": "server", "shard": {}, "bytes": [0, 0]}
+
+
+def checkpointed_run(tmp_path, servers: int = 0, **overrides):
+    """A run directory as `ako train --checkpoint-every` leaves it: its config and a complete
+    checkpoint at step 7 that fits it (2 workers, then `servers` servers)."""
+    config = small_config(tmp_path, checkpoint_every="1s", servers=servers or None, **overrides)
     job = Job(config)
     numel = job.build_replica(job.load_data(), torch.device("cpu")).numel
     path = tmp_path / "runs" / "run"
     path.mkdir(parents=True)
     (path / "config.toml").write_text(to_toml(config))
-    for rank in range(2):
-        checkpoint.save(path, 7, rank, 2, {**job.identity(numel), **WORKER_STATE})
+    for rank in range(2 + servers):
+        checkpoint.save(path, 7, rank, 2 + servers, {**job.identity(numel), **(WORKER_STATE if rank < 2 else SERVER_STATE)})
     return path
 
 
-# the parts of a worker's state a checkpoint must have (their values do not matter here)
-WORKER_STATE = {"role": "worker", "params": torch.zeros(1), "optimizer": {}, "worker": {}, "bytes": [0, 0]}
+@pytest.fixture
+def run_dir(tmp_path):
+    return checkpointed_run(tmp_path, strategy="allreduce")
 
 
 def resume(run_dir, capsys, *flags):
@@ -77,15 +82,7 @@ def test_a_corrupt_file_of_any_rank_is_refused_before_anything_starts(run_dir, c
 
 def test_another_worker_server_split_is_refused(tmp_path, capsys):
     """bsp with 2 workers and 1 server, resumed as 1 worker and 2 servers: the same world size."""
-    config = small_config(tmp_path, strategy="bsp", servers=1, checkpoint_every="1s")
-    job = Job(config)
-    numel = job.build_replica(job.load_data(), torch.device("cpu")).numel
-    run_dir = tmp_path / "runs" / "run"
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.toml").write_text(to_toml(config))
-    for rank in range(3):
-        state = WORKER_STATE if rank < 2 else {"role": "server", "shard": {}, "bytes": [0, 0]}
-        checkpoint.save(run_dir, 7, rank, 3, {**job.identity(numel), **state})
+    run_dir = checkpointed_run(tmp_path, servers=1, strategy="bsp")
     code, err = resume(run_dir, capsys, "--workers", "1", "--servers", "2")
     assert code == 2 and err.count("\n") == 1, err
     assert "rank1.pt': written by a run with role 'worker', not 'server'" in err, err
