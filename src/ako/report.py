@@ -261,7 +261,7 @@ def plots(sweep: Sweep, groups: list[Group], out: Path) -> list[Path]:
     target, budget = target_of(sweep), sweep.report.get("budget")
     files = _per_panel(sweep, groups, None, out, "accuracy-vs-time", _accuracy_vs_time)
     if len(sweep.axes.get("workers", {})) > 1:
-        files += _per_panel(sweep, groups, "workers", out, "time-to-accuracy-vs-workers", _against("tta", f"seconds to {_percent(target)}"))
+        files += _per_panel(sweep, groups, "workers", out, "time-to-accuracy-vs-workers", _against("tta", f"seconds to {_percent(target)}", log=True))
         files += _per_panel(sweep, groups, "workers", out, "bytes-per-worker-vs-workers", _bytes_against)
         if budget is not None:
             files += _per_panel(sweep, groups, "workers", out, "accuracy-at-budget-vs-workers", _against("budget_accuracy", f"test accuracy at {budget:g} s"))
@@ -320,7 +320,7 @@ def _accuracy_vs_time(ax, groups: list[Group], sweep: Sweep, _x) -> None:
     ax.set_ylim(0.0, 1.0)
 
 
-def _against(measure: str, ylabel: str, skip: str | None = None, unity: bool = False):
+def _against(measure: str, ylabel: str, skip: str | None = None, unity: bool = False, log: bool = False):
     """A plot of `measure` (mean, with the standard deviation as error bars) against the x axis;
     a hollow marker where only some seeds have a value."""
 
@@ -330,6 +330,10 @@ def _against(measure: str, ylabel: str, skip: str | None = None, unity: bool = F
             _line(ax, [g for g in groups if g.arm == arm], measure, x_axis, positions, _colour(sweep, arm), arm)
         if unity:
             ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+        if log:  # times that span orders of magnitude
+            ax.set_yscale("log")
+            ax.yaxis.set_major_formatter("{x:g}")
+            ax.yaxis.set_minor_formatter("{x:g}")
         _x_axis(ax, x_axis, positions, ticks)
         ax.set_ylabel(ylabel)
 
