@@ -252,3 +252,15 @@ def test_gossip_runs_in_the_simulator_and_its_replicas_agree(tmp_path, strategy)
     assert records[0]["consensus_distance"] == 0 < records[1]["consensus_distance"]
     averaged = torch.stack([w.params for w in result.workers]).mean(0)
     assert result.summary["average_accuracy"] is not None and averaged.isfinite().all()
+
+
+def test_a_diverged_average_still_gives_a_summary():
+    """A run whose replicas' average has a NaN loss (it diverged) still writes its summary:
+    JSON has no NaN, so the loss is null (a 64-worker ako run once lost its outputs to this)."""
+    from ako.metrics import build_summary, finite
+
+    report = {"rank": 0, "role": "worker", "steps": 3, "samples": 30, "bytes_sent": 0, "bytes_received": 0}
+    final = {"epoch": 1.0, "test_accuracy": 0.1, "test_loss": float("nan")}
+    summary = build_summary("ako", ako.TrainConfig(), "digits", [report], [], final, (float("nan"), 0.1), 1.0, 1.0)
+    assert summary["average_loss"] is None and summary["average_accuracy"] == 0.1
+    json.dumps(finite(summary), allow_nan=False)  # as write_summary writes it

@@ -154,6 +154,11 @@ def finite(record: dict) -> dict:
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
 
 
+def _rounded(x: float | None) -> float | None:
+    """`x` to 5 decimals; None for None, NaN or infinity (a diverged run)."""
+    return round(x, 5) if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
 _REPORT_KEYS = ("rank", "role", "steps", "samples", "bytes_sent", "bytes_received")
 
 
@@ -185,8 +190,8 @@ def build_summary(
         "iterations": reports[0]["steps"],
         "test_accuracy": final["test_accuracy"],
         "test_loss": final["test_loss"],
-        "average_accuracy": None if average is None else round(average[1], 5),
-        "average_loss": None if average is None else round(average[0], 5),
+        "average_accuracy": None if average is None else _rounded(average[1]),
+        "average_loss": None if average is None else _rounded(average[0]),  # None when it diverged
         "target_accuracy": config.target_accuracy,
         "time_to_accuracy": milestones(records, config.target_accuracy),
         "train_seconds": round(train_seconds, 3),
