@@ -311,3 +311,15 @@ def test_a_cell_with_damaged_outputs_is_not_finished(tmp_path, damage):
     run = next(cell_dir.glob("*/summary.json")).parent
     {"summary": run / "summary.json", "metrics": run / "metrics.jsonl", "cell": cell_dir / "cell.json"}[damage].write_text("[]")
     assert finished(cell_dir, cell) is None
+
+
+def test_a_report_where_nothing_reached_the_target(tmp_path):
+    """Every plot is still written (time to accuracy on a log scale has no point to show)."""
+    sweep_dir = tmp_path / "s"
+    sweep_dir.mkdir()
+    (sweep_dir / "sweep.toml").write_text(TINY)
+    for cell in load_sweep(sweep_dir / "sweep.toml").cells():
+        fake_cell(sweep_dir, cell, [(0, 0.1), (1, 0.2)], 1000)
+    text = write_report(sweep_dir).read_text()
+    assert text.count("not reached (0/1)") == 4
+    assert (sweep_dir / "report" / "time-to-accuracy-vs-workers.png").read_bytes()[:4] == b"\x89PNG"

@@ -330,7 +330,7 @@ def _against(measure: str, ylabel: str, skip: str | None = None, unity: bool = F
             _line(ax, [g for g in groups if g.arm == arm], measure, x_axis, positions, _colour(sweep, arm), arm)
         if unity:
             ax.axhline(1.0, color="grey", lw=0.8, ls=":")
-        if log:  # times that span orders of magnitude
+        if log and any(g.values(measure) for g in groups):  # times that span orders of magnitude
             ax.set_yscale("log")
             ax.yaxis.set_major_formatter("{x:g}")
             ax.yaxis.set_minor_formatter("{x:g}")
