@@ -35,7 +35,8 @@ def test_max_time_stops_every_strategy_on_an_agreed_step(tmp_path):
     for strategy in ("allreduce", "ako"):
         config = small_config(tmp_path, strategy=strategy, epochs=10_000.0, max_time=2.0)
         summary = ako.train(config).summary
-        assert 2.0 <= summary["train_seconds"] < 8.0
+        # the step at which some worker's clock passed 2 s; rank 0's clock may be a moment behind
+        assert 1.95 <= summary["train_seconds"] < 8.0
         steps = {w["steps"] for w in summary["per_worker"]}
         assert len(steps) == 1 or strategy == "ako"  # allreduce workers agree on the last step
 
