@@ -23,17 +23,16 @@ import numpy as np
 
 from ako.config import ConfigError
 from ako.metrics import time_to_accuracy, write_atomic
-from ako.sweep import Cell, Sweep, finished, load_run, load_sweep, safe_name
+from ako.sweep import Cell, Sweep, finished_run, load_sweep, safe_name
 
 DEFAULT_TARGET = 0.85
 
 
 @dataclass
 class Result:
-    """One finished cell: its summary, evaluation records and the measures the report uses."""
+    """One finished cell: its evaluation records and the measures the report uses."""
 
     cell: Cell
-    summary: dict
     records: list[dict]
     measures: dict = field(default_factory=dict)
 
@@ -85,11 +84,10 @@ def collect(sweep: Sweep, sweep_dir: Path) -> list[Result]:
     target, budget = target_of(sweep), sweep.report.get("budget")
     results = []
     for cell in sweep.cells():
-        run = finished(sweep_dir / "cells" / cell.name, cell)
-        outputs = None if run is None else load_run(run)
-        if outputs is None:
+        run = finished_run(sweep_dir / "cells" / cell.name, cell)
+        if run is None:
             continue
-        summary, records = outputs
+        _, summary, records = run
         servers = [s["bytes_in_per_second"] for s in summary.get("per_server", [])]
         measures = {
             "tta": time_to_accuracy(records, target),
@@ -100,7 +98,7 @@ def collect(sweep: Sweep, sweep_dir: Path) -> list[Result]:
             "server_bytes_in": round(float(np.mean(servers))) if servers else None,
             "partitions": summary.get("partitions"),
         }
-        results.append(Result(cell, summary, records, measures))
+        results.append(Result(cell, records, measures))
     _speedups(sweep, results)
     return results
 

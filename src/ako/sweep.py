@@ -76,8 +76,8 @@ class Cell:
         return safe_name(",".join([f"arm={self.arm}", *(f"{axis}={label}" for axis, label in self.labels)]))
 
     def label(self, axis: str) -> str | None:
-        """This cell's label on `axis` ("arm" gives the arm), or None when there is no such axis."""
-        return self.arm if axis == "arm" else dict(self.labels).get(axis)
+        """This cell's label on `axis`, or None when there is no such axis."""
+        return dict(self.labels).get(axis)
 
 
 @dataclass
@@ -281,6 +281,12 @@ def _check_cell(cell: Cell) -> None:
 def finished(cell_dir: Path, cell: Cell) -> Path | None:
     """The cell's run directory when its run finished with these settings on this runtime and
     its outputs can be read, else None (the cell is to be run again)."""
+    run = finished_run(cell_dir, cell)
+    return None if run is None else run[0]
+
+
+def finished_run(cell_dir: Path, cell: Cell) -> tuple[Path, dict, list[dict]] | None:
+    """`finished`'s run directory with its summary and evaluation records, or None."""
     try:
         recorded = json.loads((cell_dir / "cell.json").read_text())
     except (OSError, ValueError):
@@ -288,7 +294,8 @@ def finished(cell_dir: Path, cell: Cell) -> Path | None:
     if not isinstance(recorded, dict) or recorded.get("settings") != _jsonable(cell.settings) or recorded.get("runtime") != cell.runtime:
         return None
     run = next((p.parent for p in sorted(cell_dir.glob("*/summary.json"))), None)
-    return run if run is not None and load_run(run) is not None else None
+    outputs = None if run is None else load_run(run)
+    return None if outputs is None else (run, *outputs)
 
 
 def load_run(run: Path) -> tuple[dict, list[dict]] | None:
@@ -335,10 +342,14 @@ def run_sweep(sweep: Sweep, out: Path, jobs: int = 1, progress: bool | None = No
     running: dict = {}
     stop = threading.Event()
     with ThreadPoolExecutor(max_workers=jobs) as pool:
+
+        def start(cell: Cell) -> None:
+            running[pool.submit(run_cell, cell, out / "cells" / cell.name, jobs, stop)] = cell
+
         try:
             pending = iter(todo)
             for cell in itertools.islice(pending, jobs):
-                running[pool.submit(run_cell, cell, out / "cells" / cell.name, jobs, stop)] = cell
+                start(cell)
             while running:
                 done, _ = wait(running, return_when=FIRST_COMPLETED)
                 for future in done:
@@ -350,9 +361,8 @@ def run_sweep(sweep: Sweep, out: Path, jobs: int = 1, progress: bool | None = No
                         failed.append((cell, line))
                     bar.write(f"{'failed' if status else 'done  '} {cell.name}: {line}")
                     bar.update(1)
-                    nxt = next(pending, None)
-                    if nxt is not None:
-                        running[pool.submit(run_cell, nxt, out / "cells" / nxt.name, jobs, stop)] = nxt
+                    for nxt in itertools.islice(pending, 1):
+                        start(nxt)
         except BaseException:
             stop.set()
             raise
