@@ -287,6 +287,8 @@ def _per_panel(sweep: Sweep, groups: list[Group], x_axis: str | None, out: Path,
             ax.legend(fontsize=8)
         else:
             ax.text(0.5, 0.5, "no seed has a value here", transform=ax.transAxes, ha="center", color="grey")
+        if not any(len(line.get_xdata()) for line in ax.lines):  # nothing to show: no made-up negative axis
+            ax.set_ylim(0.0, 1.0)
         path = out / safe_name(stem + ("_" + ",".join(f"{a}={v}" for a, v in labels) if labels else "") + ".png")
         fig.tight_layout()
         tmp = path.with_name(f".{path.name}.tmp.png")
@@ -309,7 +311,7 @@ def _accuracy_vs_time(ax, groups: list[Group], sweep: Sweep, _x) -> None:
             times, accuracy = [x["time"] for x in r.records], [x["test_accuracy"] or 0.0 for x in r.records]
             ax.plot(times, accuracy, color=color, lw=0.6, alpha=0.4, drawstyle="steps-post")
         seeds = len(g.results)
-        ax.plot(grid, curves.mean(axis=0), color=color, lw=1.8, label=f"{g.arm} ({seeds} seed{'s' if seeds > 1 else ''})")
+        ax.plot(grid, curves.mean(axis=0), color=color, lw=1.8, drawstyle="steps-post", label=f"{g.arm} ({seeds} seed{'s' if seeds > 1 else ''})")
         if len(g.results) > 1:
             ax.fill_between(grid, curves.min(axis=0), curves.max(axis=0), color=color, alpha=0.15, step="post")
     ax.axhline(target_of(sweep), color="grey", lw=0.8, ls=":")
