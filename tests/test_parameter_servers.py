@@ -13,6 +13,7 @@ import ako
 from ako.data import ShardSampler, fetch, load_dataset
 from ako.models import build_model
 from ako.replica import OptimizerConfig, Replica
+from ako.runtime import checkpoint
 from ako.strategies import STRATEGIES, paramserver
 from ako.strategies.ops import Compute, ComputePartial, Recv, Send
 from helpers import recorded, single_process_sgd, small_config
@@ -49,15 +50,22 @@ def test_equals_bsp(tmp_path, bsp_reference, overrides):
         torch.testing.assert_close(params, bsp_reference.workers[0].params, rtol=0, atol=1e-5)
 
 
-def test_ssp_with_bound_zero_equals_bsp_for_plain_sgd(tmp_path):
-    """SSP applies each push as its own step, BSP the mean once per iteration: the same for
-    plain SGD (with momentum they differ by design)."""
-    plain = dict(momentum=0.0, weight_decay=0.0)
-    bsp = ako.train(small_config(tmp_path, strategy="bsp", **plain))
-    ssp = ako.train(small_config(tmp_path, strategy="ssp", staleness=0, servers=2, **plain))
+def test_ssp_with_bound_zero_equals_bsp_with_momentum(tmp_path, bsp_reference):
+    """Momentum 0.9, Nesterov and weight decay on the workers (each pushes its own optimizer
+    step), the server adding the deltas / n: with s = 0 every push of a clock was computed on
+    the same parameters, so SSP equals BSP's server-side momentum step on the mean."""
+    ssp = ako.train(small_config(tmp_path, strategy="ssp", staleness=0, servers=2))
     assert ssp.summary["staleness_max"] == 1  # the other worker's push of the same clock
     for params in final_params(ssp):
-        torch.testing.assert_close(params, bsp.workers[0].params, rtol=0, atol=1e-5)
+        torch.testing.assert_close(params, bsp_reference.workers[0].params, rtol=0, atol=1e-5)
+
+
+def test_asp_with_one_worker_equals_single_process_sgd_with_momentum(tmp_path):
+    config = small_config(tmp_path, strategy="asp", workers=1, servers=2)
+    result = ako.train(config)
+    steps = result.summary["iterations"]
+    assert steps == 12 and result.summary["staleness_max"] == 0
+    torch.testing.assert_close(result.workers[0].params, single_process_sgd(config, steps), rtol=0, atol=1e-5)
 
 
 def _record_absp(op, result, log):
@@ -171,3 +179,20 @@ def test_easgd_elastic_updates_match_the_paper_on_one_worker(tmp_path):
             replica.params.sub_(d)
     torch.testing.assert_close(result.workers[0].params, replica.params, rtol=0, atol=1e-5)
     torch.testing.assert_close(result.workers[0].facts["centre"], centre, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["ssp", "asp"])
+def test_a_resume_continues_from_the_workers_momentum(tmp_path, strategy):
+    """ssp and asp keep the optimizer state on the workers: a checkpoint holds each worker's
+    momentum buffer, and a run resumed from it ends where the uninterrupted run ended (one
+    worker: the order of pushes is fixed, so the two runs are the same computation)."""
+    config = small_config(tmp_path, strategy=strategy, workers=1, train_samples=None, epochs=3.0, checkpoint_every="0.2s")
+    whole = ako.train(config)
+    run_dir = whole.summary["run_dir"]
+    point = checkpoint.latest(run_dir, 2)
+    assert point is not None and 0 < point < whole.summary["iterations"]
+    saved = checkpoint.load(run_dir, point, 0)["optimizer"]["momentum_buffer"]
+    assert saved is not None and saved.abs().sum() > 0
+    resumed = ako.train(dataclasses.replace(config, resume=run_dir))
+    assert resumed.summary["resumed_from_step"] == point
+    torch.testing.assert_close(resumed.workers[0].params, whole.workers[0].params, rtol=0, atol=1e-6)

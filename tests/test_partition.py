@@ -49,15 +49,16 @@ def test_partitions_cover_contiguously_and_stay_balanced(sizes, data):
 def test_auto_rule():
     mb = 1_000_000
     # (n-1) x 2.5 MB per step against 100 MB/s x 10 ms = 1 MB per step
-    assert auto_partitions(2, int(2.5 * mb), 100 * mb, 0.010, 10**6) == 3
-    assert auto_partitions(4, int(2.5 * mb), 100 * mb, 0.010, 10**6) == 8  # ceil(7.5)
-    assert auto_partitions(1, int(2.5 * mb), 100 * mb, 0.010, 10**6) == 1
-    assert auto_partitions(4, 1000, 1e12, 1.0, 10**6) == 1  # a fast link: all-to-all
-    assert auto_partitions(64, 10**9, 1.0, 1.0, 5000) == 5000  # never more than the parameters
+    assert auto_partitions(1 * 2.5 * mb, 100 * mb, 0.010, 10**6) == 3
+    assert auto_partitions(3 * 2.5 * mb, 100 * mb, 0.010, 10**6) == 8  # ceil(7.5)
+    assert auto_partitions(0, 100 * mb, 0.010, 10**6) == 1  # a single worker sends nothing
+    assert auto_partitions(3 * 1000, 1e12, 1.0, 10**6) == 1  # a fast link: all-to-all
+    assert auto_partitions(63 * 10**9, 1.0, 1.0, 5000) == 5000  # never more than the parameters
 
 
 @given(n=st.integers(2, 128), grad=st.integers(1_000, 10**8), budget=st.floats(1e3, 1e9))
 def test_auto_keeps_bytes_per_step_within_the_budget(n, grad, budget):
-    p = auto_partitions(n, grad, budget, 1.0, 10**9)
-    assert (n - 1) * grad / p <= budget * (1 + 1e-9)
-    assert p == 1 or (n - 1) * grad / (p - 1) > budget
+    need = (n - 1) * grad
+    p = auto_partitions(need, budget, 1.0, 10**9)
+    assert need / p <= budget * (1 + 1e-9)
+    assert p == 1 or need / (p - 1) > budget

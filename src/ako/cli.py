@@ -38,16 +38,19 @@ _FLAGS = {
     "max_time": ("stop after this many seconds of training", {}),
     "target_accuracy": ("stop when rank 0's test accuracy reaches this fraction, e.g. 0.85", {}),
     "eval_every": ("evaluate every this many epochs", {}),
-    "partitions": ("ako: number of gradient partitions p, or auto", {}),
-    "staleness": ("ako: staleness bound s (0 = lock-step; default unbounded); ssp: s (default 2)", {}),
+    "partitions": ("ako: number of gradient partitions p, or auto (the link budget's, at most 8)", {}),
+    "exchange": ("ako: all-to-all (every peer gets each window), ring (an all-reduce of each window), or auto "
+                 "(ring from 16 workers on)", {}),
+    "staleness": ("ako: staleness bound s (0 = lock-step; default 1); ssp: s (default 2)", {}),
     "bandwidth": (
-        "ako auto: link budget, e.g. 1Gbit or 100MB (default: measured); simulate: every node's up- and "
-        "downlink rate, for every strategy (default: free)",
+        "ako and easgd auto: link budget, e.g. 1Gbit or 100MB (default: measured); simulate: every node's up- "
+        "and downlink rate, for every strategy (default: free)",
         {},
     ),
     "servers": ("bsp, asp, ssp, absp, easgd: parameter-server processes beside the workers (default 1)", {}),
     "micro_batch": ("absp: samples per interruptible micro-batch (default batch-size / 4)", {}),
-    "tau": ("easgd: steps between elastic averaging rounds; gossip: steps between gossip rounds", {}),
+    "tau": ("easgd: steps between elastic averaging rounds, or auto (its servers' links allow; the default); "
+            "gossip: steps between gossip rounds (default 1)", {}),
     "beta": ("easgd: moving rate beta; elastic alpha = beta / workers", {}),
     "gossip": ("gossip: pull (average with a peer's snapshot) or push-sum", {}),
     "peers": ("gossip: random (uniform) or rotating (one partner per round, hypercube order)", {}),

@@ -27,11 +27,12 @@ STRATEGIES = ("ako", "allreduce", "gossip", *PARAMETER_SERVER)
 # strategy is a mistake worth an error
 STRATEGY_OPTIONS = {
     "partitions": ("auto", ("ako",)),
+    "exchange": ("auto", ("ako",)),
     "staleness": (None, ("ako", "ssp")),
-    "bandwidth": (None, ("ako",)),
+    "bandwidth": (None, ("ako", "easgd")),
     "servers": (None, PARAMETER_SERVER),
     "micro_batch": (None, ("absp",)),
-    "tau": (1, ("easgd", "gossip")),
+    "tau": (None, ("easgd", "gossip")),
     "gossip": ("pull", ("gossip",)),
     "peers": ("random", ("gossip",)),
     "beta": (0.9, ("easgd",)),
@@ -41,6 +42,7 @@ SIMULATE_OPTIONS = ("latency", "seconds_per_sample", "profile")
 TRAIN_OPTIONS = ("checkpoint_every", "resume")  # `ako train` only: the simulator does not fail
 SSP_STALENESS = 2  # ssp's bound when none is given
 GOSSIP_MODES = ("pull", "push-sum")
+AKO_EXCHANGES = ("auto", "all-to-all", "ring")
 PEER_SELECTIONS = ("random", "rotating")
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -70,11 +72,12 @@ class TrainConfig:
     target_accuracy: float | None = None  # stop when rank 0's test accuracy reaches it
     eval_every: float = 0.5  # epochs between evaluations
     partitions: int | str = "auto"  # ako: p, or "auto"
-    staleness: int | None = None  # ako: bound s (0 = lock-step), None = unbounded; ssp: s (default 2)
+    exchange: str = "auto"  # ako: how windows travel: "all-to-all", "ring", or "auto" (by the number of workers)
+    staleness: int | None = None  # ako: bound s (0 = lock-step; default 1); ssp: s (default 2)
     bandwidth: str | None = None  # link budget, e.g. "1Gbit" or "50MB"; measured when None (simulate: every link's rate, free when None)
     servers: int | None = None  # parameter-server strategies: server processes (default 1)
     micro_batch: int | None = None  # absp: samples per interruptible micro-batch (default batch_size // 4)
-    tau: int = 1  # easgd: steps between elastic averaging rounds; gossip: steps between gossip rounds
+    tau: int | str | None = None  # easgd: steps between elastic rounds, or "auto" (default); gossip: between gossip rounds (1)
     beta: float = 0.9  # easgd: moving rate; elastic alpha = beta / workers
     gossip: str = "pull"  # gossip: "pull" (average with a peer's snapshot) or "push-sum"
     peers: str = "random"  # gossip: peer selection, "random" or "rotating"
@@ -210,6 +213,7 @@ def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
     _choice("backend", c.backend, BACKENDS)
     _choice("gossip", c.gossip, GOSSIP_MODES)
     _choice("peers", c.peers, PEER_SELECTIONS)
+    _choice("exchange", c.exchange, AKO_EXCHANGES)
     if c.backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is false here: use gloo")
     for name, (default, users) in STRATEGY_OPTIONS.items():
@@ -262,7 +266,11 @@ def _validate_cluster(c: TrainConfig) -> None:
         c.micro_batch = _integer("micro_batch", default if c.micro_batch is None else c.micro_batch, low=1)
         if c.micro_batch > c.batch_size:
             raise ConfigError(f"micro_batch {c.micro_batch}: must be at most batch_size {c.batch_size}")
-    c.tau = _integer("tau", c.tau, low=1, high=1_000_000)
+    if c.strategy == "easgd" and c.tau in (None, "auto"):
+        c.tau = "auto"
+    elif c.strategy in ("easgd", "gossip"):
+        hint = " or 'auto'" if c.strategy == "easgd" else ""
+        c.tau = _integer("tau", 1 if c.tau is None else c.tau, low=1, high=1_000_000, hint=hint)
     c.beta = _number("beta", c.beta, low=0.0, high=1.0)
     texts = [c.straggler] if isinstance(c.straggler, str) else c.straggler
     if not isinstance(texts, (list, tuple)):

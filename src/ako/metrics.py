@@ -119,7 +119,21 @@ def format_summary(s: dict) -> str:
     if s.get("lost_ranks"):
         lines.append(f"  lost             worker rank{'s' if len(s['lost_ranks']) > 1 else ''} {', '.join(map(str, s['lost_ranks']))} died; the others carried on")
     if "partitions" in s:
-        lines.append(f"  partitions       p = {s['partitions']} ({s['partitions_reason']})")
+        lines.append(
+            f"  partitions       p = {s['partitions']}, {s['exchange']}, staleness bound {s['staleness_bound']} "
+            f"({s['partitions_reason']})"
+        )
+    if "tau_reason" in s:
+        lines.append(f"  elastic rounds   every tau = {s['tau']} steps ({s['tau_reason']})")
+    if s.get("final_model"):
+        m = s["final_model"]
+        if m["source"] == "the replicas after the flush":
+            lines.append(f"  final model      the replicas after the flush ({m['flushed_accuracy']:.4f}; rank 0's before it {m['unflushed_accuracy']:.4f})")
+        else:
+            lines.append(
+                f"  final model      rank 0's replica before the flush ({m['unflushed_accuracy']:.4f}): the flush made "
+                f"the replicas worse ({m['flushed_accuracy']:.4f})"
+            )
     if s.get("run_dir"):
         lines.append(f"  run directory    {s['run_dir']}")
     return "\n".join(lines)

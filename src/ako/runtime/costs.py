@@ -16,7 +16,8 @@
 - All-reduce: the ring formula 2 (n-1)/n x bytes / B + 2 (n-1) x latency (reduce-scatter then
   all-gather, n-1 steps each, every node sending and receiving 1/n of the tensor per step),
   from the moment the last worker arrives and every member's links are free; it holds every
-  member's uplink and downlink for that long.
+  member's uplink and downlink for the transfer, 2 (n-1)/n x bytes / B (the links are free
+  while a hop's latency passes, so all-reduces in flight at once pipeline).
 A bandwidth of infinity makes transfers free (latency still counts).
 - Shared host (optional, `Costs.shared`): every worker runs on one machine, as `ako train`
   runs them locally, and the computations running at once share its cores by processor
@@ -126,7 +127,7 @@ class Network:
         seconds = self.costs.ring_allreduce_seconds(nbytes, n)
         busy, moved = self.costs.transfer_seconds(ring_bytes(nbytes, n)), ring_bytes(nbytes, n)
         for nic in nics:
-            nic.up_free = nic.down_free = start + seconds
+            nic.up_free = nic.down_free = start + busy
             nic.up_busy += busy
             nic.down_busy += busy
             nic.bytes_up += moved

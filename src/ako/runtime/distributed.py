@@ -49,6 +49,7 @@ from ako.strategies.ops import (
     Recv,
     Send,
     Snapshot,
+    Wait,
 )
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -219,7 +220,7 @@ class DistributedRuntime:
                     self.mailbox.send(tensor.cpu(), dst, tag, step, aux, drop_lost=self.survives_loss)
                 return None
             case Recv(tag, src):
-                return self._to_device(self.mailbox.get(tag, src, self.timeout, tolerant=self.survives_loss))
+                return self._to_device(self.receive(tag, src))
             case Poll(tag):
                 return [self._to_device(m) for m in self.mailbox.poll(tag, tolerant=self.survives_loss)]
             case Lost():
@@ -231,8 +232,10 @@ class DistributedRuntime:
                 return None
             case Pull(src):
                 return self.pull(src)
-            case AllReduce(tensor, reduce):
-                return self.all_reduce(tensor, reduce)
+            case AllReduce(tensor, reduce, wait):
+                return self.all_reduce(tensor, reduce, wait=wait)
+            case Wait(handle):
+                return self._wait(handle)
             case Now():
                 return self.clock.now()
             case MeasureStep():
@@ -240,6 +243,20 @@ class DistributedRuntime:
             case MeasureBandwidth():
                 return self.measure_bandwidth()
         raise TypeError(f"unknown operation {op!r}")
+
+    def receive(self, tag: int, src: int | None):
+        """`ops.Recv`. A strategy that survives losses carries on without a peer that stays
+        silent for the timeout while it waits on that peer (stopped or stuck): it is lost."""
+        try:
+            return self.mailbox.get(tag, src, self.timeout, tolerant=self.survives_loss)
+        except TimeoutError:
+            if not (self.survives_loss and src is not None):
+                raise
+            reason = f"silent for {self.timeout:g} s (stopped or stuck)"
+            with self.mailbox.cond:
+                self.mailbox.lost.setdefault(src, reason)
+                self.mailbox.told.add(src)
+            raise PeerLost(src, reason) from None
 
     def pull(self, src: int) -> Snapshot:
         """Request `src`'s published snapshot and wait for it (see `ops.Pull`)."""
@@ -295,17 +312,25 @@ class DistributedRuntime:
             return message
         return replace(message, tensor=message.tensor.to(self.device))
 
-    def all_reduce(self, tensor: torch.Tensor, reduce: str = "sum", count: bool = True) -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, reduce: str = "sum", count: bool = True, wait: bool = True):
         """In-place all-reduce with a deadline of `timeout` seconds; `count` adds its bytes to
-        the traffic counters (not for the runtime's own barriers)."""
+        the traffic counters (not for the runtime's own barriers). With `wait=False` returns a
+        handle for `_wait` at once (Gloo runs the collective on its own threads)."""
         try:
             work = dist.all_reduce(tensor, op=_REDUCE_OPS[reduce], async_op=True)
-            work.wait(timedelta(seconds=self.timeout))
         except RuntimeError as e:
             raise RuntimeError(f"all-reduce failed, a worker is gone or stuck: {comm_error(e)}") from None
         if count:
             n = self.world_size
             self.collective_bytes += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
+        return self._wait((work, tensor)) if wait else (work, tensor)
+
+    def _wait(self, handle) -> torch.Tensor:
+        work, tensor = handle
+        try:
+            work.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            raise RuntimeError(f"all-reduce failed, a worker is gone or stuck: {comm_error(e)}") from None
         return tensor
 
     def barrier(self) -> None:
@@ -507,7 +532,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     summary = None
     if rank == 0:
         lost = sorted(runtime.mailbox.lost)
-        summary = _report(job, data, state, reports, finals, facts.get("centre"), lost, run_dir, resumed=point)
+        summary = _report(job, data, state, reports, finals, facts, lost, run_dir, resumed=point)
     return WorkerResult(rank, replica.params.cpu().clone(), facts, summary), bool(runtime.mailbox.lost)
 
 
@@ -549,15 +574,31 @@ def _open_run_dir(config, strategy: str, data) -> Path:
     return run_dir
 
 
+def final_model(state: WorkerState, unflushed: torch.Tensor, final: dict, test_set) -> dict:
+    """Which model the run hands back: the replicas after the flush (rank 0's `final` record),
+    or rank 0's replica before it, `unflushed` (numel,), when that one tests better (a flush
+    that averages replicas which drifted apart can make the model worse: it is reported)."""
+    loss, accuracy = state.replica.evaluate_params(unflushed.to(state.replica.params.device), test_set)
+    flushed = final["test_accuracy"]
+    worse = accuracy > flushed
+    return {
+        "source": "rank 0's replica before the flush" if worse else "the replicas after the flush",
+        "test_accuracy": round(max(accuracy, flushed), 5),
+        "flushed_accuracy": flushed,
+        "unflushed_accuracy": round(accuracy, 5),
+        "unflushed_loss": round(loss, 5),
+    }
+
+
 def _report(
-    job: Job, data, state: WorkerState, reports: list[dict], finals, centre, lost: list[int], run_dir: Path,
+    job: Job, data, state: WorkerState, reports: list[dict], finals, facts: dict, lost: list[int], run_dir: Path,
     resumed: int | None = None,
 ) -> dict:  # fmt: skip
     """Rank 0, after training: evaluate, write summary.json, print the summary. `finals`: the
     live workers' final replicas (decentralised strategies), in the order of their reports;
-    their average is weighted by each worker's `average_weight` fact when it has one. `centre`:
-    the model a strategy with a centre variable reports (a worker program's `centre` fact),
-    (numel,) or None. `resumed`: the step of the checkpoint the run resumed from, if any."""
+    their average is weighted by each worker's `average_weight` fact when it has one. `facts`:
+    rank 0's program's; its `centre` is the model a strategy with a centre variable reports, and
+    its `unflushed` rank 0's replica before a final flush (Ako), each (numel,) when present. `resumed`: the step of the checkpoint the run resumed from, if any."""
     end = {}
     if finals:
         weights = [float(r.get("average_weight", 1.0)) for r in reports if r["role"] == "worker"]
@@ -570,9 +611,11 @@ def _report(
     )  # fmt: skip
     if job.strategy.summarise is not None:
         summary.update(job.strategy.summarise(reports))
-    if centre is not None:
-        loss, accuracy = state.replica.evaluate_params(centre.to(state.replica.params.device), data.test)
+    if facts.get("centre") is not None:
+        loss, accuracy = state.replica.evaluate_params(facts["centre"].to(state.replica.params.device), data.test)
         summary["centre_accuracy"], summary["centre_loss"] = round(accuracy, 5), round(loss, 5)
+    if facts.get("unflushed") is not None:
+        summary["final_model"] = final_model(state, facts["unflushed"], final, data.test)
     summary["lost_ranks"] = lost
     summary["resumed_from_step"] = resumed
     summary["run_dir"] = str(run_dir)

@@ -13,7 +13,9 @@ out the operations of `ako.strategies.ops` as the distributed runtime does, with
   takes what has been delivered. Messages are not copied: receivers of one `Send` tensor sent
   to several peers share it (the programs do not modify those).
 - `AllReduce` waits for every worker, then reduces their tensors for real (in rank order) and
-  resumes them all when the ring all-reduce's modelled time has passed.
+  resumes them all when the ring all-reduce's modelled time has passed. Each worker's k-th
+  all-reduce joins the k-th collective; one started with `wait=False` resumes its worker at
+  once, and `Wait` holds it until that collective is over.
 - `Now` is the virtual clock; `MeasureStep` and `MeasureBandwidth` return the cost model's
   values; `Lost` is empty (no failures are simulated).
 Evaluations (rank 0's snapshots, and for decentralised strategies the consensus distance of
@@ -56,6 +58,7 @@ from ako.strategies.ops import (
     Recv,
     Send,
     Snapshot,
+    Wait,
 )
 
 _SNAPSHOT = -10  # tag of the answers to `Pull`, the runtime's own
@@ -114,6 +117,7 @@ class Node:
     idle_seconds: float = 0.0
     communication_seconds: float = 0.0
     facts: dict | None = None
+    collectives: int = 0  # all-reduces this rank has started
     snapshot: tuple[torch.Tensor, int] | None = None  # the last `Publish`: (params, step)
     pullers: list[int] = field(default_factory=list)  # pulls that arrived before any Publish
 
@@ -158,7 +162,7 @@ class SimulatedRuntime:
         self.network = Network(costs, world)
         self.host = SharedHost(env, costs) if costs.shared else None
         self.nodes = [Node(rank, SimClock(env)) for rank in range(world)]
-        self.collective: _Collective | None = None
+        self.collectives: dict[int, _Collective] = {}  # by sequence number, until every worker is in
         self.forward_backward = 0.0
 
     def start(self, rank: int, program, ctx) -> None:
@@ -191,8 +195,11 @@ class SimulatedRuntime:
                 return (yield from self.receive(node, tag, src))
             case Poll(tag):
                 return node.take_all(tag)
-            case AllReduce(tensor, reduce):
-                return (yield from self.all_reduce(node, tensor, reduce))
+            case AllReduce(tensor, reduce, wait):
+                collective = self.start_all_reduce(node, tensor, reduce)
+                return (yield from self.wait(node, collective)) if wait else collective
+            case Wait(collective):
+                return (yield from self.wait(node, collective))
             case Now():
                 return self.env.now
             case Publish(tensor, step):
@@ -305,24 +312,29 @@ class SimulatedRuntime:
             node.blocked(since, envelope.sent_at, self.env.now)
         return envelope.message
 
-    def all_reduce(self, node: Node, tensor: torch.Tensor, reduce: str):
-        """Wait for every worker; reduce their tensors in rank order into each of them; resume
-        all of them when the ring all-reduce is over (`Network.all_reduce`)."""
-        if self.collective is None:
-            self.collective = _Collective(self.env.event())
-        c = self.collective
+    def start_all_reduce(self, node: Node, tensor: torch.Tensor, reduce: str) -> _Collective:
+        """Join `node`'s next collective with `tensor`. When every worker is in, reduce their
+        tensors in rank order into each of them and book the ring all-reduce
+        (`Network.all_reduce`), whose end fires the collective's `done`."""
+        seq, node.collectives = node.collectives, node.collectives + 1
+        c = self.collectives.setdefault(seq, _Collective(self.env.event()))
         c.tensors[node.rank] = tensor
-        since = self.env.now
         if len(c.tensors) == self.workers:
-            self.collective = None
+            del self.collectives[seq]
             self._reduce(list(c.tensors[r] for r in sorted(c.tensors)), reduce)
             nbytes = tensor.numel() * tensor.element_size()
             _, c.end = self.network.all_reduce(self.env.now, sorted(c.tensors), nbytes)
             c.arrived = self.env.now
             self.env.timeout(c.end - self.env.now).callbacks.append(lambda _: c.done.succeed())
-        yield c.done
-        node.blocked(since, c.arrived, c.end)
-        return tensor
+        return c
+
+    def wait(self, node: Node, c: _Collective):
+        """Hold `node` until collective `c` is over; returns its tensor."""
+        since = self.env.now
+        if not c.done.processed:
+            yield c.done
+            node.blocked(since, c.arrived, c.end)
+        return c.tensors[node.rank]
 
     @staticmethod
     def _reduce(tensors: list[torch.Tensor], reduce: str) -> None:
@@ -422,7 +434,7 @@ def simulate_job(job: Job, costs: Costs) -> tuple[dict, list[WorkerResult]]:
     reports = [runtime.report(rank, end) for rank in range(world)]
     facts = runtime.nodes[0].facts
     finals = [r.params for r in replicas[:n]] if strategy.decentralised else []
-    summary = _report(job, data, runtime.nodes[0].state, reports, finals, facts.get("centre"), [], run_dir)
+    summary = _report(job, data, runtime.nodes[0].state, reports, finals, facts, [], run_dir)
     summary["simulation"] = _simulation_facts(runtime, costs, reports, end, time.perf_counter() - started)
     write_summary(run_dir, summary)
     print(format_simulation(summary["simulation"]), flush=True)

@@ -17,8 +17,8 @@ STRATEGIES: dict[str, Strategy] = {
     "ako": Strategy("ako", ako.worker, decentralised=True, check=ako.check, survives_loss=True),
     "gossip": Strategy("gossip", gossip.worker, decentralised=True, survives_loss=True),
     "bsp": _server_strategy("bsp", paramserver.gradient_worker, bsp.server),
-    "ssp": _server_strategy("ssp", paramserver.gradient_worker, ssp.ssp_server),
-    "asp": _server_strategy("asp", paramserver.gradient_worker, ssp.asp_server, survives_loss=True),
+    "ssp": _server_strategy("ssp", paramserver.update_worker, ssp.ssp_server),
+    "asp": _server_strategy("asp", paramserver.update_worker, ssp.asp_server, survives_loss=True),
     "absp": _server_strategy("absp", absp.worker, absp.server, summarise=absp.summarise),
     "easgd": Strategy(
         "easgd", easgd.worker, True, paramserver.check, easgd.server, survives_loss=True, summarise=paramserver.summarise

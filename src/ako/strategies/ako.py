@@ -1,85 +1,144 @@
-"""Ako: decentralised partial gradient exchange (Watcharapichat et al., SoCC 2016).
+"""Ako: decentralised partial gradient exchange (Watcharapichat et al., SoCC 2016), in the
+delay-tolerant form of delayed gradient averaging (DGA; Zhu et al., NeurIPS 2021).
 
-Worker i keeps an accumulator A of all gradient it has not sent yet. Each step t it computes g,
-adds g to A, sends the partition (t mod p) of A to every peer and zeroes that slice, and
-applies to its replica its own g plus every partial gradient that peers have sent. Every
-coordinate of every gradient thus reaches every replica within p steps plus network delay; at
-the end each worker sends what is left of A (the flush), so no gradient is ever lost.
+Every worker i takes its own optimizer step (momentum, Nesterov, weight decay) on its own
+gradient at once, at full weight, as a local SGD step does: that fresh step stands in for the
+mean of all workers' steps. It adds its parameter delta to an accumulator A and, each step t,
+sends the partition k = t mod p of A (the window of the last p steps' deltas of that slice) to
+its peers and zeroes it, keeping the window it sent in a ledger under step t. When peer j's
+window of step t arrives (and the worker has itself done step t), the worker adds
+(window_j - own window of step t) / n to that partition: it swaps 1/n of its own stand-in for
+1/n of the peer's. Every own delta thus ends up at weight 1/n and every peer's at 1/n, so the
+replicas' average moves by the mean of all workers' updates each step, and after the final
+flush (each worker sends what is left of A) every replica is identical:
+w_end = w_0 + (1/n) x the sum of every worker's deltas. With p = 1 and staleness 0 a step is
+exactly all-reduce SGD with the same optimizer, because a worker's momentum buffer is linear in
+its gradients (the mean of the n buffers is all-reduce's buffer).
 
-Learning-rate scaling: every gradient, own or received, is scaled by 1/n, so `lr` means what it
-means for all-reduce (the rate of the averaged gradient). With p = 1 and staleness 0 a step
-applies exactly sum_j g_j / n on every replica: all-reduce SGD.
+Why this form and not the paper's literal one (apply own g/n at once, add the peers' partial
+gradients as they come, one momentum on the receiver): that puts a delay of 1 to p steps inside
+a loop whose effective step is lr / (1 - momentum) = 1.0, which diverges even at p = 1 (for a
+quadratic, heavy-ball with its update delayed one step is stable only for lr x curvature <
+1 - momentum). Here the delay only corrects the difference between the own step and the mean.
 
-Staleness bound s: after sending step t a worker waits until every peer has sent step t - s,
-and it applies partial gradients from peers' steps <= t + s (later ones wait in its inbox), so
-s = 0 is lock-step. With no bound it applies whatever has arrived.
+Two exchanges of the windows (`--exchange`):
+- `all-to-all` (the paper's): each window goes to all n - 1 peers, (n-1) x G / p bytes per
+  worker per step for a gradient of G bytes. A worker that dies is dropped: its ledger entries
+  are settled as if it had sent nothing more, and nothing waits for it.
+- `ring`: the n windows of step t are summed by one all-reduce (a ring: 2 (n-1)/n x G / p
+  bytes per worker per step, whatever n), started at once and applied s steps later, so it
+  overlaps the next steps' computation. A collective needs every worker: a lost worker ends
+  the run. `auto` picks all-to-all below RING_FROM workers and the ring from there on.
 
-A worker that dies is dropped: the others stop waiting for it, keep what it sent before, and
-carry on (Ako has no single point of failure; what it had not sent yet is lost with it).
+p and the staleness bound s: see `choose_partitions` (p = auto is capped at P_MAX) and
+DEFAULT_STALENESS. A worker waits, after sending step t, until every peer has sent step t - s,
+so the ledger holds at most s + 1 windows and the link's backlog stays bounded: when the link
+cannot carry the traffic, the steps wait for it (backpressure).
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 
 from ako.config import ConfigError
-from ako.strategies.ops import AllReduce, Compute, MeasureBandwidth, MeasureStep, Message, PeerLost, Poll, Recv, Send
+from ako.strategies.ops import AllReduce, Compute, MeasureBandwidth, MeasureStep, Message, PeerLost, Poll, Recv, Send, Wait
 from ako.strategies.partition import auto_partitions, partition_bounds
 
-TAG = 0  # partial gradients and the final flush
-FLUSH = -1  # `aux` of the flush message, which carries the whole accumulator
+TAG = 0  # windows and the final flush
+FLUSH = -1  # `aux` of the flush message, which carries the whole accumulator; its `step` is the sender's step count
+_FLUSH_STEP = 1 << 62  # the ledger's key for the own flush, after every step
+P_MAX = 4  # the most partitions p = auto chooses (measured: docs/results.md, experiment 1)
+DEFAULT_STALENESS = 1  # steps a worker may run ahead of the slowest peer it has heard from
+RING_FROM = 8  # `--exchange auto`: the ring from this many workers on
 
 
 def worker(ctx):
-    """Worker program; returns the partitions used and why, for the run summary."""
-    n, replica, s = ctx.world_size, ctx.replica, ctx.config.staleness
-    p, reason = yield from choose_partitions(ctx)
-    parts = partition_bounds(replica.numel, p, replica.boundaries)
-    acc = torch.zeros_like(replica.params)
-    update = torch.empty_like(replica.params)
-    inbox = Inbox(ctx.peers, parts)
+    """Worker program; returns the exchange, partitions and why, for the run summary, and on
+    rank 0 its replica before the flush (`unflushed`, (numel,)), so the run can hand back the
+    better of the two models."""
+    exchange = resolve_exchange(ctx.config.exchange, ctx.world_size)
+    p, reason = yield from choose_partitions(ctx, exchange)
+    s = DEFAULT_STALENESS if ctx.config.staleness is None else ctx.config.staleness
+    parts = partition_bounds(ctx.replica.numel, p, ctx.replica.boundaries)
+    run = _ring if exchange == "ring" else _all_to_all
+    steps, unflushed = yield from run(ctx, parts, s)
+    facts = {"steps": steps, "exchange": exchange, "partitions": p, "partitions_reason": reason, "staleness_bound": s}
+    if ctx.rank == 0:
+        facts["unflushed"] = unflushed
+    return facts
+
+
+def resolve_exchange(exchange: str, n: int) -> str:
+    """The exchange `--exchange` names, `auto` resolved for n workers."""
+    if exchange != "auto":
+        return exchange
+    return "ring" if n >= RING_FROM else "all-to-all"
+
+
+class LocalSteps:
+    """The own optimizer steps and the accumulator A of their deltas not yet sent (numel,)."""
+
+    def __init__(self, replica):
+        self.replica = replica
+        self.acc = torch.zeros_like(replica.params)
+        self.before = torch.empty_like(replica.params)
+
+    def step(self, grad: torch.Tensor) -> None:
+        """One optimizer step with `grad` on the replica; its delta goes into A."""
+        self.before.copy_(self.replica.params)
+        self.replica.step(grad)
+        self.acc.sub_(self.before.sub_(self.replica.params))  # acc += after - before, without rounding acc into params
+
+    def take(self, lo: int, hi: int) -> torch.Tensor:
+        """A[lo:hi] (a copy), zeroed in A: the window of those coordinates to send."""
+        window = self.acc[lo:hi].clone()
+        self.acc[lo:hi].zero_()
+        return window
+
+
+def _all_to_all(ctx, parts, s):
+    n, replica = ctx.world_size, ctx.replica
+    own = LocalSteps(replica)
+    ledger = Ledger(ctx.peers, n, replica.params, parts)
     t = 0
     while True:
         g = yield Compute()
-        acc.add_(g.grad)
-        lo, hi = parts[t % p]
-        yield from send_to_peers(ctx, acc[lo:hi].clone(), step=t, aux=t % p)
-        acc[lo:hi].zero_()
-        if s is not None:
-            while inbox.slowest() < t - s:
-                yield from receive(inbox)
+        own.step(g.grad)
+        lo, hi = parts[t % len(parts)]
+        window = own.take(lo, hi)
+        ledger.sent(t, lo, hi, window)
+        yield from send_to_peers(ctx, window, step=t, aux=t % len(parts))
+        while ledger.slowest() < t - s:
+            yield from receive(ledger, ledger.laggard())
         for message in (yield Poll(TAG)):
-            inbox.add(message)
-        update.copy_(g.grad)
-        inbox.apply(update, up_to=None if s is None else t + s)
-        replica.step(update.div_(n))
+            ledger.add(message)
+        ledger.settle(up_to=t)
         t += 1
         if ctx.stopping:
             break
-    yield from send_to_peers(ctx, acc, step=t, aux=FLUSH)
-    while not inbox.all_flushed():
-        yield from receive(inbox)
-    update.zero_()
-    inbox.apply(update, up_to=None)
-    if update.any():  # nothing left (p = 1, lock-step) means no extra optimizer step
-        replica.step(update.div_(n))
-    return {"steps": t, "partitions": p, "partitions_reason": reason}
+    unflushed = replica.params.clone() if ctx.rank == 0 else None
+    window = own.take(0, replica.numel)
+    ledger.sent(_FLUSH_STEP, 0, replica.numel, window)
+    yield from send_to_peers(ctx, window, step=t, aux=FLUSH)
+    ledger.settle(up_to=_FLUSH_STEP)
+    while not ledger.all_flushed():
+        yield from receive(ledger, ledger.laggard())
+        ledger.settle(up_to=_FLUSH_STEP)
+    assert not ledger.own and not ledger.pending, "Ako's ledger must be settled after the flush"
+    return t, unflushed
 
 
-def receive(inbox):
-    """Wait for one partial gradient and file it; a peer found dead is dropped instead."""
+def receive(ledger: Ledger, peer: int):
+    """Wait for `peer`'s next window and file it; a peer found dead (or silent for the
+    timeout) is dropped instead."""
     try:
-        inbox.add((yield Recv(TAG)))
+        ledger.add((yield Recv(TAG, peer)))
     except PeerLost as lost:
-        inbox.drop(lost.rank)
-
-
-def check(config, numel: int) -> None:
-    """Raise ConfigError when --partitions exceeds the model's parameter count."""
-    if config.partitions != "auto" and config.partitions > numel:
-        raise ConfigError(f"partitions {config.partitions}: must be at most the model's parameter count {numel}")
+        ledger.drop(lost.rank)
 
 
 def send_to_peers(ctx, tensor: torch.Tensor, step: int, aux: int):
@@ -88,9 +147,156 @@ def send_to_peers(ctx, tensor: torch.Tensor, step: int, aux: int):
         yield Send(tensor, peer, TAG, step, aux)
 
 
-def choose_partitions(ctx):
-    """p from --partitions, or Ako's auto rule with the most constrained worker's step time and
-    link budget (both agreed by one all-reduce). Returns (p, a one-line reason)."""
+@dataclass
+class _Entry:
+    """An own window sent at one step: coordinates [lo, hi), the window, and the peers whose
+    window of that step is still to come (each takes 1/n of the window back when it does)."""
+
+    lo: int
+    hi: int
+    window: torch.Tensor
+    owing: set[int] = field(default_factory=set)
+
+
+class Ledger:
+    """The own windows sent and the peers' windows received, paired as DGA pairs them.
+
+    Invariant: each own window is taken back, window / n, exactly once per peer: when that
+    peer's window of the same step is applied, or at once for a peer that is dead or finished
+    before that step (as if it had sent zeros). Each peer's window is added, window / n,
+    exactly once. A peer's window of step t waits until this worker has done step t itself
+    (`settle(up_to)`); a flush is applied as soon as it arrives. `params` (numel,) is the
+    replica these corrections go into; `parts` the [lo, hi) of each partition.
+    """
+
+    def __init__(self, peers: list[int], n: int, params: torch.Tensor, parts: list[tuple[int, int]]):
+        self.n, self.params, self.parts = n, params, parts
+        self.own: dict[int, _Entry] = {}  # step -> own window, until every peer has settled it
+        self.pending: list[Message] = []
+        self.last_step = {peer: -1 for peer in peers}  # the latest step heard from each live peer
+        self.dead: set[int] = set()
+
+    def sent(self, step: int, lo: int, hi: int, window: torch.Tensor) -> None:
+        """Record the own window of `step` (coordinates [lo, hi)); settle it at once for the
+        peers that are dead or finished (their windows of this step, if any, are added alone)."""
+        entry = _Entry(lo, hi, window, set(self.last_step))
+        gone = self.n - 1 - len(entry.owing)
+        if gone:
+            self.params[lo:hi].sub_(window, alpha=gone / self.n)
+        if entry.owing:
+            self.own[step] = entry
+
+    def add(self, message: Message) -> None:
+        """File a received window and note how far its sender has got (a flush: it is done,
+        and nothing waits for it any more)."""
+        self.pending.append(message)
+        if message.aux == FLUSH:
+            self.last_step.pop(message.src, None)
+        elif message.src in self.last_step:
+            self.last_step[message.src] = max(self.last_step[message.src], message.step)
+
+    def settle(self, up_to: int) -> None:
+        """Apply, in arrival order, every pending window of a step <= `up_to` and every flush."""
+        keep = []
+        for m in self.pending:
+            if m.aux == FLUSH:
+                self._apply_flush(m)
+            elif m.src in self.dead or m.step <= up_to:
+                self._apply(m)
+            else:
+                keep.append(m)
+        self.pending = keep
+
+    def _apply(self, m: Message) -> None:
+        lo, hi = self.parts[m.aux]
+        self.params[lo:hi].add_(m.tensor, alpha=1 / self.n)
+        if m.src not in self.dead:
+            self._take_back(m.step, m.src)
+
+    def _apply_flush(self, m: Message) -> None:
+        self.params.add_(m.tensor, alpha=1 / self.n)
+        for step in [step for step in self.own if step >= m.step]:  # windows it will never send
+            self._take_back(step, m.src)
+
+    def _take_back(self, step: int, peer: int) -> None:
+        entry = self.own.get(step)
+        if entry is None or peer not in entry.owing:
+            return
+        self.params[entry.lo : entry.hi].sub_(entry.window, alpha=1 / self.n)
+        entry.owing.discard(peer)
+        if not entry.owing:
+            del self.own[step]
+
+    def drop(self, peer: int) -> None:
+        """`peer` died: apply what it sent, settle every own window it still owed as if it had
+        sent zeros, and wait for nothing more from it."""
+        for m in [m for m in self.pending if m.src == peer]:
+            self.pending.remove(m)
+            (self._apply_flush if m.aux == FLUSH else self._apply)(m)
+        for step in list(self.own):
+            self._take_back(step, peer)
+        self.dead.add(peer)
+        self.last_step.pop(peer, None)
+
+    def slowest(self) -> float:
+        """The lowest step heard from any peer still training (-1 before any, inf when none)."""
+        return min(self.last_step.values(), default=math.inf)
+
+    def laggard(self) -> int:
+        """The live peer still training that is furthest behind (the one to wait for)."""
+        return min(self.last_step, key=self.last_step.get)
+
+    def all_flushed(self) -> bool:
+        """Whether every live peer's flush has arrived (`settle` applies them)."""
+        return not self.last_step
+
+
+def _ring(ctx, parts, s):
+    """The ring exchange: step t's windows summed by an all-reduce started at once and applied
+    s steps later. The stop vote rides in the window's last element, so every worker sees
+    the same votes at the same step and all stop together, s steps after the first vote."""
+    n, replica = ctx.world_size, ctx.replica
+    own = LocalSteps(replica)
+    inflight: deque = deque()  # (lo, hi, own window, handle), oldest first
+    t, stop = 0, False
+    while not stop:
+        g = yield Compute()
+        own.step(g.grad)
+        lo, hi = parts[t % len(parts)]
+        buf = replica.params.new_empty(hi - lo + 1)
+        buf[:-1], buf[-1] = own.take(lo, hi), float(ctx.stopping)
+        inflight.append((lo, hi, buf[:-1].clone(), (yield AllReduce(buf, "sum", wait=False))))
+        t += 1
+        while len(inflight) > s:
+            stop |= yield from _settle_ring(replica, n, *inflight.popleft())
+    while inflight:
+        yield from _settle_ring(replica, n, *inflight.popleft())
+    unflushed = replica.params.clone() if ctx.rank == 0 else None
+    window = own.take(0, replica.numel)
+    total = yield AllReduce(window.clone(), "sum")
+    replica.params.add_(total.div_(n).sub_(window))
+    return t, unflushed
+
+
+def _settle_ring(replica, n: int, lo: int, hi: int, mine: torch.Tensor, handle):
+    """Wait for one step's all-reduce and swap the own window for the mean; returns the vote."""
+    total = yield Wait(handle)
+    replica.params[lo:hi].add_(total[:-1].div_(n).sub_(mine))
+    return total[-1].item() > 0
+
+
+def check(config, numel: int) -> None:
+    """Raise ConfigError when --partitions exceeds the model's parameter count."""
+    if config.partitions != "auto" and config.partitions > numel:
+        raise ConfigError(f"partitions {config.partitions}: must be at most the model's parameter count {numel}")
+
+
+def choose_partitions(ctx, exchange: str):
+    """p from --partitions, or Ako's auto rule (Ako, sec. 3): the smallest p whose traffic
+    fits the link budget B x T_step, with the most constrained worker's step time and link
+    (agreed by one all-reduce), capped at P_MAX. Traffic per step is (n-1) x G / p all-to-all
+    and 2 (n-1)/n x G / p on the ring. Returns (p, a one-line reason; "link-bound: ..." when
+    the cap binds, i.e. the steps will wait for the link)."""
     n, numel, grad_bytes = ctx.world_size, ctx.replica.numel, ctx.replica.grad_bytes
     if ctx.config.partitions != "auto":
         return ctx.config.partitions, "set by --partitions"
@@ -102,57 +308,20 @@ def choose_partitions(ctx):
     worst = torch.tensor([-step_time, -bandwidth], dtype=torch.float64)
     yield AllReduce(worst, "max")
     step_time, bandwidth = -worst[0].item(), -worst[1].item()
-    p = auto_partitions(n, grad_bytes, bandwidth, step_time, numel)
+    need = (n - 1) * grad_bytes if exchange == "all-to-all" else 2 * (n - 1) * grad_bytes / n
+    wanted = auto_partitions(need, bandwidth, step_time, numel)
+    p = min(wanted, P_MAX)
     source = "given" if given is not None else "measured"
-    need = (n - 1) * grad_bytes
-    reason = (
-        f"auto: (n-1) x gradient = {need / 1e6:.2f} MB per step must fit B x T_step = "
-        f"{bandwidth / 1e6:.1f} MB/s ({source}) x {step_time * 1e3:.1f} ms (measured) = "
-        f"{bandwidth * step_time / 1e6:.2f} MB, so p = ceil({need / (bandwidth * step_time):.2f}) = {p}"
+    what = "(n-1) x gradient" if exchange == "all-to-all" else "2 (n-1)/n x gradient (ring)"
+    budget = f"B x T_step = {bandwidth / 1e6:.1f} MB/s ({source}) x {step_time * 1e3:.1f} ms (measured)"
+    if p == wanted:
+        return p, (
+            f"auto: {what} = {need / 1e6:.2f} MB per step must fit {budget} = {bandwidth * step_time / 1e6:.2f} MB, "
+            f"so p = ceil({need / (bandwidth * step_time):.2f}) = {p}"
+        )
+    per_step = need / p
+    return p, (
+        f"link-bound: the link budget asks for p = {wanted}, capped at {P_MAX} to keep the delay short; "
+        f"{what} / {p} = {per_step / 1e6:.2f} MB per step takes {per_step / bandwidth * 1e3:.1f} ms at "
+        f"{bandwidth / 1e6:.1f} MB/s, longer than the {step_time * 1e3:.1f} ms step, so steps wait for the link"
     )
-    return p, reason
-
-
-class Inbox:
-    """Partial gradients received and not yet applied, and what each peer has sent so far."""
-
-    def __init__(self, peers: list[int], parts: list[tuple[int, int]]):
-        self.parts = parts
-        self.pending: list[Message] = []
-        self.last_step = {peer: -1 for peer in peers}
-        self.flushed: set[int] = set()
-
-    def add(self, message: Message) -> None:
-        """File a received message and note how far its sender has got."""
-        self.pending.append(message)
-        if message.aux == FLUSH:
-            self.flushed.add(message.src)
-        elif message.src in self.last_step:  # not from a peer dropped since it was sent
-            self.last_step[message.src] = max(self.last_step[message.src], message.step)
-
-    def drop(self, peer: int) -> None:
-        """`peer` died: wait for nothing more from it (what it sent stays to be applied)."""
-        self.last_step.pop(peer, None)
-        self.flushed.discard(peer)
-
-    def slowest(self) -> float:
-        """The lowest step heard from any peer still training (-1 before any, inf when none)."""
-        steps = [s for peer, s in self.last_step.items() if peer not in self.flushed]
-        return min(steps, default=math.inf)
-
-    def all_flushed(self) -> bool:
-        """Whether every peer has sent its final flush."""
-        return self.flushed >= self.last_step.keys()
-
-    def apply(self, update: torch.Tensor, up_to: int | None) -> None:
-        """Add into `update` every pending message from steps <= up_to (all when None)."""
-        keep = []
-        for m in self.pending:
-            if up_to is not None and m.aux != FLUSH and m.step > up_to:
-                keep.append(m)
-            elif m.aux == FLUSH:
-                update.add_(m.tensor)
-            else:
-                lo, hi = self.parts[m.aux]
-                update[lo:hi].add_(m.tensor)
-        self.pending = keep

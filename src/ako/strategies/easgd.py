@@ -1,20 +1,28 @@
 """Asynchronous EASGD: elastic averaging SGD with a centre variable on the servers (Zhang,
 Choromanska and LeCun, "Deep learning with elastic averaging SGD", NIPS 2015, Algorithm 1).
 
-Each worker runs local SGD with its own optimizer and the full `lr`. Every `tau` steps it sends
-its parameters w to the servers; a server computes d = alpha * (w - x) for its shard of the
+Each worker runs local SGD with its own optimizer (momentum, Nesterov: the paper's EAMSGD) and the
+full `lr`. Every `tau` steps it sends its parameters w to the servers; a server computes d = alpha * (w - x) for its shard of the
 centre x, moves x += d at once (one atomic elastic update per exchange) and returns d; the
 worker moves w -= d. alpha = beta / n (the paper's choice beta = n * alpha, default beta 0.9).
 The optimizer state lives on the workers; the servers keep only x. The reported model is the
 centre: when every worker has finished, the servers send x to rank 0, which evaluates it.
 A worker that dies is dropped and the others carry on.
+
+tau = auto (the default): the largest traffic a server can take. A round of every worker's
+exchange brings n x G / S bytes (G the model's bytes, S servers) into each server; spread over
+tau steps of T_step seconds it must fit the server's link B: tau = ceil(n G / (S B T_step)),
+with T_step measured and B given by `--bandwidth` or measured (a ring probe of every rank).
+With tau = 1 at ako's defaults one server is the bottleneck from 8 workers on (docs/results.md).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ako.strategies.ops import Compute, PeerLost, Recv, Send
+from ako.strategies.ops import Compute, MeasureBandwidth, MeasureStep, PeerLost, Recv, Send
 from ako.strategies.paramserver import PULL, PUSH, Shard, pack, pull, push, unpack
 
 CENTRE = 13
@@ -22,7 +30,8 @@ CENTRE = 13
 
 def worker(ctx):
     """EASGD worker program; rank 0 returns the final centre variable as `centre` (numel,)."""
-    tau, replica = ctx.config.tau, ctx.replica
+    replica = ctx.replica
+    tau, reason = yield from choose_tau(ctx)
     delta = torch.empty_like(replica.params)
     t = 0
     while True:
@@ -36,10 +45,28 @@ def worker(ctx):
             replica.params.sub_(delta)
         if vote:
             break
-    facts = {"steps": t}
+    facts = {"steps": t, "tau": tau, "tau_reason": reason}
     if ctx.rank == 0:
         facts["centre"] = yield from _centre(ctx)
     return facts
+
+
+def choose_tau(ctx):
+    """tau from --tau, or auto (module docstring). Returns (tau, a one-line reason)."""
+    c = ctx.config
+    if c.tau != "auto":
+        return c.tau, "set by --tau"
+    step_time = yield MeasureStep()
+    bandwidth = c.bandwidth_bytes if c.bandwidth is not None else (yield MeasureBandwidth())
+    servers = len(ctx.servers)
+    need = ctx.world_size * ctx.replica.grad_bytes / servers
+    tau = max(1, math.ceil(need / (bandwidth * step_time)))
+    source = "given" if c.bandwidth is not None else "measured"
+    return tau, (
+        f"auto: n x model / servers = {need / 1e6:.2f} MB per round must fit B x T_step = {bandwidth / 1e6:.1f} MB/s "
+        f"({source}) x {step_time * 1e3:.1f} ms (measured) = {bandwidth * step_time / 1e6:.2f} MB a step, "
+        f"so tau = ceil({need / (bandwidth * step_time):.2f}) = {tau}"
+    )
 
 
 def _centre(ctx):
@@ -54,6 +81,8 @@ def _centre(ctx):
 
 def server(sctx):
     """EASGD server program: elastic updates of its shard of the centre variable."""
+    if sctx.config.tau == "auto" and sctx.config.bandwidth is None:
+        yield MeasureBandwidth()  # every rank takes part in the workers' probe
     shard = Shard(sctx)
     alpha = sctx.config.beta / len(sctx.workers)
     running = set(sctx.workers)

@@ -152,10 +152,23 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class AllReduce:
-    """Reduce `tensor` over all workers, in place ("sum" or "max"). Result: the tensor."""
+    """Reduce `tensor` over all workers, in place ("sum" or "max"). Result: the tensor.
+
+    With `wait=False` the program goes on at once and the result is a handle for `Wait`; the
+    tensor must not be touched until then. Every worker must start its collectives in the same
+    order; several may be in flight at once (they complete in the order they were started)."""
 
     tensor: torch.Tensor
     op: Literal["sum", "max"] = "sum"
+    wait: bool = True
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Wait for the all-reduce that `AllReduce(..., wait=False)` returned `handle` for, up to
+    the run's timeout. Result: its tensor, reduced."""
+
+    handle: object
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,16 @@
 
 S servers each own a contiguous, size-balanced shard of the flat parameter vector (tensors kept
 whole where the balance allows, as Ako's partitions are). A worker pushes each server the slice
-of its gradient that server owns and pulls back the server's parameters; a server keeps its
-shard's optimizer state (momentum buffer) and applies the updates (DESIGN.md, "Parameter-server
-models"). The workers hold no optimizer state of their own, except under `easgd`, whose workers
-run local SGD.
+of its gradient (or update) that server owns and pulls back the server's parameters
+(DESIGN.md, "Parameter-server models"). Where the optimizer runs:
+- `bsp` and `absp` (synchronous: one mean per iteration): on the servers, which keep their
+  shard's optimizer state (momentum buffer); the workers push gradients (`gradient_worker`).
+- `ssp` and `asp` (stale): on the workers, as BytePS's asynchronous mode does: each worker takes
+  its own optimizer step (momentum, Nesterov, weight decay) on its gradient and pushes the
+  parameter delta; the servers add deltas (`update_worker`). A server-side momentum applied per
+  push would take n momentum steps per clock on stale gradients ("asynchrony begets momentum",
+  Mitliagkas et al. 2016), which diverges at ako's defaults.
+- `easgd`: local SGD on the workers; the servers keep only the centre variable.
 
 Messages: a push carries the worker's clock in `step` and, in `aux`, a few small integers
 packed by `pack` (the stop vote, the version the gradient was computed on, sample counts).
@@ -79,19 +85,16 @@ def _bounds(ctx) -> list[tuple[int, int]]:
 
 class Shard:
     """A server's shard: `params` (hi - lo,) is a view of the server's replica vector, stepped
-    by the server's own optimizer; `version` counts the updates applied; staleness (in
-    updates) of the gradients applied is tallied for the summary. `per_push`: how many
-    updates make one iteration (n when each push is applied on its own), which divides the
-    weight decay. A resumed run's shard starts from `sctx.restored` (its `state_dict`), and
+    by the server's own optimizer (`apply`) or moved by the workers' deltas (`add`); `version`
+    counts the updates applied; staleness (in updates) of the gradients applied is tallied for
+    the summary. A resumed run's shard starts from `sctx.restored` (its `state_dict`), and
     every update is reported to `sctx.on_update` (the runtime's checkpoints)."""
 
-    def __init__(self, sctx, per_push: int = 1):
+    def __init__(self, sctx):
         c = sctx.config
         self.lo, self.hi = shards(sctx.replica.numel, sctx.replica.boundaries, len(sctx.servers))[sctx.index]
         self.params = sctx.replica.params[self.lo : self.hi]
-        # `per_push` updates make one iteration's worth: weight decay is shared among them
-        optim = OptimizerConfig(c.lr, c.momentum, c.nesterov, c.weight_decay / per_push)
-        self.optimizer = FlatSGD(self.params, optim)
+        self.optimizer = FlatSGD(self.params, OptimizerConfig(c.lr, c.momentum, c.nesterov, c.weight_decay))
         self.version = self.resumed = 0
         self.staleness_sum = self.staleness_count = self.staleness_max = 0
         self.on_update = sctx.on_update
@@ -101,6 +104,11 @@ class Shard:
     def apply(self, grad: torch.Tensor) -> None:
         """One optimizer step with `grad` (hi - lo,)."""
         self.optimizer.step(grad)
+        self.updated()
+
+    def add(self, delta: torch.Tensor, scale: float) -> None:
+        """Move the parameters by `scale` x `delta` (hi - lo,): a worker's own update."""
+        self.params.add_(delta, alpha=scale)
         self.updated()
 
     def updated(self) -> None:
@@ -157,14 +165,33 @@ def summarise(reports: list[dict]) -> dict:
 
 
 def gradient_worker(ctx):
-    """The worker of bsp, ssp and asp: compute a gradient with the parameters last pulled, push
-    it (with the worker's clock, the version it was computed on and its stop vote), pull the
-    parameters the server releases, until a server says finish."""
+    """The worker of bsp: compute a gradient with the parameters last pulled, push it (with the
+    worker's clock, the version it was computed on and its stop vote), pull the parameters the
+    server releases, until a server says finish."""
+    return (yield from _worker(ctx, lambda g: g.grad))
+
+
+def update_worker(ctx):
+    """The worker of ssp and asp: as `gradient_worker`, but it takes its own optimizer step on
+    the gradient (the replica's, with the worker's momentum buffer) and pushes the resulting
+    parameter delta, -lr x (the momentum step), which the servers add, scaled by 1/n."""
+    params = ctx.replica.params
+    delta = torch.empty_like(params)
+
+    def step(g):
+        delta.copy_(params)
+        ctx.replica.step(g.grad)
+        return delta.sub_(params).neg_()  # after - before
+
+    return (yield from _worker(ctx, step))
+
+
+def _worker(ctx, update):
     version, clock = 0, 0
     while True:
         g = yield Compute()
         vote = int(ctx.stopping)
-        yield from push(ctx, g.grad, step=clock, aux=pack((vote, 1), (version, 40)))
+        yield from push(ctx, update(g), step=clock, aux=pack((vote, 1), (version, 40)))
         version, finish = yield from pull(ctx, ctx.replica.params)
         clock += 1
         if finish:

@@ -30,15 +30,14 @@ def partition_bounds(numel: int, p: int, boundaries: list[int]) -> list[tuple[in
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-def auto_partitions(workers: int, grad_bytes: int, bandwidth: float, step_time: float, numel: int) -> int:
+def auto_partitions(bytes_per_step: float, bandwidth: float, step_time: float, numel: int) -> int:
     """Ako's rule for p: the smallest p whose traffic fits the link budget,
-    p = ceil((n - 1) * gradient_bytes / (B * T_step)), clipped to [1, numel].
+    p = ceil(bytes_per_step / (B * T_step)), clipped to [1, numel].
 
-    A worker sends (n - 1) * gradient_bytes / p bytes per step; at B bytes/s and T_step seconds
-    per step that must be <= B * T_step. p grows with n, so bytes per worker per second stay
-    constant as the cluster grows.
+    `bytes_per_step` is what one worker would send per step with p = 1 ((n - 1) x gradient
+    bytes all-to-all); with p partitions it sends 1/p of it, which at B bytes/s and T_step
+    seconds per step must be <= B * T_step. All-to-all traffic grows with n, and so does p,
+    so bytes per worker per second stay constant as the cluster grows.
     """
-    if workers <= 1:
-        return 1
-    need = (workers - 1) * grad_bytes / (bandwidth * step_time)
+    need = bytes_per_step / (bandwidth * step_time)
     return min(max(1, math.ceil(need)), numel)

@@ -2,15 +2,17 @@
 distributed ML via a stale synchronous parallel parameter server", NIPS 2013), and its unbounded
 case, Asynchronous Parallel (as in DistBelief's Downpour SGD).
 
-Workers run `paramserver.gradient_worker`: compute, push, pull. The server applies each pushed
-gradient at once, as its own optimizer step with g / n and weight decay / n (so that n pushes
-move the parameters as far as one BSP step of the mean: `lr` and `weight_decay` mean the same
-for every strategy; momentum acts per update), so a pull returns every update that has
-arrived. Each worker has a clock (its pushes so far); a worker that has pushed clock c may
-start c + 1 only once the slowest running worker has pushed clock c - s, so it has seen every
-update of clocks <= c - s - 1, Ho et al.'s guarantee. `asp` has no bound: the reply is at once.
-With s = 0 and plain SGD, SSP equals BSP; with momentum it differs, as the server takes n
-momentum steps per clock where BSP takes one.
+Workers run `paramserver.update_worker`: compute a gradient, take their own optimizer step on it
+(momentum, Nesterov and weight decay live on the worker, as in BytePS's asynchronous mode), push
+the parameter delta, pull. The server adds each pushed delta at once, scaled by 1/n (so that n
+pushes move the parameters as far as one BSP step of the mean: `lr` means the same for every
+strategy), so a pull returns every update that has arrived. Each worker has a clock (its pushes
+so far); a worker that has pushed clock c may start c + 1 only once the slowest running worker
+has pushed clock c - s, so it has seen every update of clocks <= c - s - 1, Ho et al.'s
+guarantee. `asp` has no bound: the reply is at once. With s = 0 every push of clock c was
+computed on the same parameters, and the mean of the n workers' momentum steps is BSP's momentum
+step (a momentum buffer is linear in the gradients): SSP equals BSP with momentum, Nesterov and
+weight decay.
 
 Each worker finishes on its own vote (its epochs done, the time budget spent, the target
 reached) and stops counting towards the bound; it gets its final parameters when every worker
@@ -38,7 +40,7 @@ def asp_server(sctx):
 def server(sctx, bound: int | None):
     """The server program for staleness bound `bound` (None: none)."""
     n = len(sctx.workers)
-    shard = Shard(sctx, per_push=n)
+    shard = Shard(sctx)
     clock = {w: 0 for w in sctx.workers}  # clocks pushed by the running workers
     held: dict[int, tuple[int, bool]] = {}  # worker -> (clock it pushed, finishing) awaiting a reply
     while clock or held:
@@ -50,7 +52,7 @@ def server(sctx, bound: int | None):
         else:
             vote, version = unpack(m.aux, 1, 40)
             shard.seen(version)
-            shard.apply(m.tensor.div_(n))
+            shard.add(m.tensor, 1 / n)
             clock[m.src] = m.step + 1
             if vote:
                 del clock[m.src]

@@ -1,0 +1,263 @@
+"""Ako's delay-tolerant partial exchange (strategies/ako.py): equal to all-reduce at p = 1 and
+staleness 0, conserving with p > 1, its ledger bounded by the staleness bound, a lost peer
+waited on by nothing, p = auto capped at P_MAX, and the better model handed back. Both
+exchanges; both runtimes where it applies."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import ako
+from ako.runtime.job import Job
+from ako.strategies import STRATEGIES, Strategy
+from ako.strategies import ako as ako_strategy
+from ako.strategies.ops import Message
+from ako.strategies.partition import partition_bounds
+from helpers import RECORDED_AKO, single_process_sgd, small_config
+
+EXCHANGES = ["all-to-all", "ring"]
+NUMEL = 22_602  # the cnn on 8x8 digits
+G = NUMEL * 4  # bytes of one flat gradient
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread in this process, as each distributed worker runs (the simulator
+    computes here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def params_of(result):
+    return [w.params for w in result.workers]
+
+
+@pytest.fixture(scope="module")
+def allreduce_reference(tmp_path_factory):
+    """12 steps of all-reduce SGD with momentum 0.9, Nesterov and weight decay 1e-3."""
+    return ako.train(small_config(tmp_path_factory.mktemp("allreduce"), strategy="allreduce", epochs=1.0))
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_one_partition_lock_step_equals_allreduce(tmp_path, allreduce_reference, exchange):
+    """p = 1, s = 0: each worker's own momentum step, swapped for the mean of all workers'
+    steps, is all-reduce's momentum step on the mean gradient (momentum is linear)."""
+    config = small_config(tmp_path, strategy="ako", partitions=1, staleness=0, exchange=exchange, epochs=1.0)
+    result = ako.train(config)
+    assert result.summary["partitions"] == 1 and result.summary["exchange"] == exchange
+    for params in params_of(result):
+        torch.testing.assert_close(params, allreduce_reference.workers[0].params, rtol=0, atol=1e-5)
+    simulated = ako.simulate(replace(config, seconds_per_sample=1e-3, latency="50us", bandwidth="10MB"))
+    for params in params_of(simulated):
+        torch.testing.assert_close(params, allreduce_reference.workers[0].params, rtol=0, atol=1e-5)
+
+
+def test_a_partition_boundary_falls_inside_a_tensor(tmp_path):
+    """The conservation tests' p = 7 splits a tensor and does not divide the parameter count."""
+    job = Job(small_config(tmp_path))
+    replica = job.build_replica(job.load_data(), torch.device("cpu"))
+    cuts = [lo for lo, _ in partition_bounds(replica.numel, 7, replica.boundaries)]
+    assert replica.numel % 7 != 0 and any(c not in replica.boundaries for c in cuts)
+
+
+CONSERVATION = [("all-to-all", 7, 0), ("all-to-all", 7, 2), ("ring", 7, 1), ("ring", 3, 0)]
+
+
+@pytest.mark.parametrize("exchange,partitions,staleness", CONSERVATION)
+def test_no_update_is_lost_in_the_simulator(tmp_path, exchange, partitions, staleness):
+    """Plain SGD: w_end = w_0 - lr/n x (the sum of every gradient of every worker) on every
+    replica after the flush, with a straggler making the arrival order uneven."""
+    _check_conservation(ako.simulate, tmp_path, exchange, partitions, staleness, seconds_per_sample=1e-3, bandwidth="5MB")
+
+
+@pytest.mark.parametrize("exchange,partitions,staleness", [("all-to-all", 7, 2), ("ring", 7, 1)])
+def test_no_update_is_lost_on_real_processes(tmp_path, exchange, partitions, staleness):
+    _check_conservation(ako.train, tmp_path, exchange, partitions, staleness)
+
+
+def _check_conservation(run, tmp_path, exchange, partitions, staleness, **costs):
+    lr, n = 0.05, 3
+    config = small_config(
+        tmp_path, strategy="ako", workers=n, train_samples=3 * 16 * 8, exchange=exchange, partitions=partitions,
+        staleness=staleness, momentum=0.0, weight_decay=0.0, lr=lr, epochs=1.0, straggler=("rank=1,factor=3",), **costs,
+    )  # fmt: skip
+    start = single_process_sgd(config, 0)
+    result = run(config, strategy=RECORDED_AKO)
+    total = sum(w.facts["grad_sum"] for w in result.workers)
+    # the ring's workers stop together, s steps after the first vote to stop is seen
+    assert total.abs().sum() > 0 and result.summary["iterations"] == 8 + (staleness if exchange == "ring" else 0)
+    for w in result.workers:
+        applied = (start.double() - w.params.double()) * n / lr
+        torch.testing.assert_close(applied, total, rtol=0, atol=2e-4)
+
+
+def _lr0(ctx):
+    ctx.replica.optimizer.optim = replace(ctx.replica.optimizer.optim, lr=0.0)
+    return (yield from ako_strategy.worker(ctx))
+
+
+AKO_LR0 = Strategy("ako", _lr0, decentralised=True, check=ako_strategy.check)
+
+
+@pytest.mark.parametrize("exchange", EXCHANGES)
+def test_learning_rate_zero_leaves_every_replica_where_it_started(tmp_path, exchange):
+    """With momentum and weight decay but lr 0, no window or correction moves a replica."""
+    config = small_config(tmp_path, strategy="ako", workers=3, exchange=exchange, partitions=7, seconds_per_sample=1e-3)
+    start = single_process_sgd(config, 0)
+    for params in params_of(ako.simulate(config, strategy=AKO_LR0)):
+        assert torch.equal(params, start)
+
+
+def test_replicas_agree_after_the_flush_with_momentum(tmp_path):
+    """Momentum 0.9, Nesterov, weight decay, p = 7, s = 2, a straggler: replicas differ while
+    training and are the same model after the flush (to float rounding)."""
+    config = small_config(
+        tmp_path, strategy="ako", workers=3, exchange="all-to-all", partitions=7, staleness=2, epochs=1.0,
+        eval_every=0.25, straggler=("rank=2,factor=3",), seconds_per_sample=1e-3,
+    )  # fmt: skip
+    result = ako.simulate(config)
+    records = [json.loads(line) for line in (Path(result.summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["consensus_distance"] for r in records[:-1]) > 1e-4  # apart while training
+    assert result.summary["consensus_distance"] < 1e-6
+    first = result.workers[0].params
+    for params in params_of(result)[1:]:
+        torch.testing.assert_close(params, first, rtol=0, atol=1e-6)
+
+
+class _Measured(ako_strategy.Ledger):
+    """A ledger that notes the most own windows it ever held (class-wide: one process)."""
+
+    most = 0
+
+    def sent(self, *args):
+        super().sent(*args)
+        _Measured.most = max(_Measured.most, len(self.own))
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 3])
+def test_the_ledger_never_holds_more_than_the_staleness_bound_allows(tmp_path, monkeypatch, staleness):
+    """A straggler at factor 4 makes the bound bite: the fast workers wait, and no worker ever
+    keeps more than s + 1 own windows waiting for its peers' (the flush's entry included)."""
+    monkeypatch.setattr(ako_strategy, "Ledger", _Measured)
+    _Measured.most = 0
+    config = small_config(
+        tmp_path, strategy="ako", workers=3, exchange="all-to-all", partitions=3, staleness=staleness,
+        epochs=1.0, straggler=("rank=1,factor=4",), seconds_per_sample=1e-3,
+    )  # fmt: skip
+    result = ako.simulate(config)
+    assert result.summary["staleness_bound"] == staleness
+    assert _Measured.most == staleness + 1
+    assert result.summary["per_worker"][0]["idle_seconds"] > 0.01  # the bound bites: it waits for the straggler
+
+
+def _window(src: int, step: int, part: int, value: float) -> Message:
+    return Message(src, ako_strategy.TAG, step, part, torch.full((2,), value))
+
+
+def test_a_lost_peer_leaves_nothing_waited_on():
+    """Worker 0 of 3, two partitions of 2 coordinates. Peer 2 dies after sending step 0: the
+    windows it owed are settled as zeros, nothing waits for it, and the replica ends at
+    (own + peer 1's + what peer 2 delivered) / n, as peer 1's would."""
+    params = torch.zeros(4)
+    ledger = ako_strategy.Ledger([1, 2], 3, params, [(0, 2), (2, 4)])
+    own = [1.0, 2.0, 3.0]
+    for t, value in enumerate(own):  # the own steps: applied at once, at full weight
+        lo, hi = (0, 2) if t % 2 == 0 else (2, 4)
+        params[lo:hi] += value
+        ledger.sent(t, lo, hi, torch.full((2,), value))
+        if t == 0:
+            ledger.add(_window(2, 0, 0, 10.0))
+            ledger.drop(2)
+            assert ledger.slowest() == -1  # only peer 1 is waited for now
+        ledger.add(_window(1, t, t % 2, 100.0 * (t + 1)))
+        ledger.settle(up_to=t)
+    assert not ledger.own  # every own window settled by both peers
+    ledger.sent(1 << 62, 0, 4, torch.zeros(4))
+    ledger.add(Message(1, ako_strategy.TAG, 3, ako_strategy.FLUSH, torch.zeros(4)))
+    ledger.settle(up_to=1 << 62)
+    assert ledger.all_flushed() and not ledger.own and not ledger.pending
+    expected = torch.tensor([1 + 3 + 100 + 300 + 10, 0, 2 + 200, 0])[[0, 0, 2, 2]] / 3
+    torch.testing.assert_close(params, expected.float())
+
+
+def test_auto_caps_p_and_says_when_the_link_binds(tmp_path):
+    """All-to-all at 40 MB/s, 8 samples of 1 ms a step: p = ceil((n-1) G / (B c)) while that is
+    at most P_MAX = 4, and the bytes a worker sends stay within the link budget; from 16
+    workers on the budget asks for more (5, then 9), p stays 4, the summary says the run is
+    link-bound, and the link is what paces it: the bytes per second reach the link rate."""
+    bandwidth = 40e6
+    partitions, rates = [], []
+    for n in (4, 8, 16, 32):
+        config = small_config(
+            tmp_path, strategy="ako", workers=n, exchange="all-to-all", train_samples=None, batch_size=8,
+            epochs=4.0, eval_every=1.0, seconds_per_sample=1e-3, bandwidth="40MB",
+        )  # fmt: skip
+        summary = ako.simulate(config).summary
+        partitions.append(summary["partitions"])
+        log = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+        first, last = log[0], log[-2]  # the last record comes after the flush
+        rates.append((last["bytes_sent"] - first["bytes_sent"]) / (last["time"] - first["time"]))
+        assert summary["partitions_reason"].startswith("link-bound" if n >= 16 else "auto")
+    assert ako_strategy.P_MAX == 4
+    assert partitions == [1, 2, 4, 4]  # ceil((n-1) x 90408 / 40000) = 1, 2, 5, 9; capped at 4
+    assert all(rate <= bandwidth * 1.05 for rate in rates), rates  # bytes count when sent, a window or two ahead of the link
+    assert rates[2] == pytest.approx(bandwidth, rel=0.05) and rates[3] == pytest.approx(bandwidth, rel=0.05)
+
+
+def _broken_flush(ctx):
+    """Ako, and then a flush gone wrong: the final replicas are zeroed."""
+    facts = yield from ako_strategy.worker(ctx)
+    ctx.replica.params.zero_()
+    return facts
+
+
+def test_the_better_model_is_handed_back(tmp_path):
+    """When the flush makes the replicas worse than rank 0's replica before it, the run hands
+    back rank 0's and says so; otherwise the flushed replicas."""
+    config = small_config(tmp_path, strategy="ako", epochs=2.0, seconds_per_sample=1e-3, test_samples=200)
+    good = ako.simulate(config)
+    chosen = good.summary["final_model"]
+    after = chosen["flushed_accuracy"] >= chosen["unflushed_accuracy"]
+    assert chosen["source"] == ("the replicas after the flush" if after else "rank 0's replica before the flush")
+    assert chosen["test_accuracy"] == max(chosen["flushed_accuracy"], chosen["unflushed_accuracy"])
+    assert torch.equal(good.model, good.workers[0].params if after else good.workers[0].facts["unflushed"])
+    broken = ako.simulate(config, strategy=replace(STRATEGIES["ako"], worker=_broken_flush))
+    chosen = broken.summary["final_model"]
+    assert chosen["source"] == "rank 0's replica before the flush"
+    assert chosen["test_accuracy"] == chosen["unflushed_accuracy"] > chosen["flushed_accuracy"]
+    assert torch.equal(broken.model, broken.workers[0].facts["unflushed"]) and broken.model.abs().sum() > 0
+
+
+def test_bytes_per_step_are_n_minus_1_windows_over_p(tmp_path):
+    """All-to-all: each step sends partition (t mod p) to the n-1 peers; with t a multiple of p
+    that is (n-1) x gradient bytes / p per step, plus the final flush (one gradient per peer)."""
+    n, p = 3, 4
+    config = small_config(
+        tmp_path, strategy="ako", workers=n, exchange="all-to-all", partitions=p, train_samples=3 * 16 * 8, epochs=1.0
+    )
+    result = ako.train(config)
+    for w in result.summary["per_worker"]:
+        assert w["steps"] == 8
+        assert w["bytes_sent"] == 8 * (n - 1) * G // p + (n - 1) * G
+        assert w["bytes_received"] == w["bytes_sent"]
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_workers_that_stop_at_different_steps_finish(tmp_path, staleness):
+    """The target reached on rank 0 stops the others a latency later, some steps apart: a peer
+    waiting on a finished worker's next window must take its flush as its last word."""
+    config = small_config(
+        tmp_path, strategy="ako", workers=4, exchange="all-to-all", staleness=staleness, train_samples=None,
+        epochs=20.0, eval_every=0.05, target_accuracy=0.5, seconds_per_sample=1e-3, latency="50us", bandwidth="10MB",
+    )  # fmt: skip
+    summary = ako.simulate(config).summary
+    steps = [w["steps"] for w in summary["per_worker"]]
+    assert summary["time_to_accuracy"]["0.5"] is not None and len(set(steps)) > 1
+    assert summary["consensus_distance"] < 1e-6
