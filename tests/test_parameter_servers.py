@@ -196,3 +196,12 @@ def test_a_resume_continues_from_the_workers_momentum(tmp_path, strategy):
     resumed = ako.train(dataclasses.replace(config, resume=run_dir))
     assert resumed.summary["resumed_from_step"] == point
     torch.testing.assert_close(resumed.workers[0].params, whole.workers[0].params, rtol=0, atol=1e-6)
+
+
+def test_only_pushes_staler_than_a_round_are_damped():
+    """min(1, n / (staleness + 1)): n = 8 workers taking turns push with staleness up to 7 at
+    full weight; a straggler's push 31 updates old counts a quarter."""
+    from ako.strategies.ssp import staleness_scale
+
+    assert [staleness_scale(8, s) for s in (0, 7, 15, 31)] == [1.0, 1.0, 0.5, 0.25]
+    assert staleness_scale(1, 0) == 1.0

@@ -116,15 +116,17 @@ class Shard:
         self.version += 1
         self.on_update(self)
 
-    def seen(self, version: int) -> None:
-        """Tally the staleness of one gradient applied, computed on parameters of `version`
-        (not known for the versions a worker held before a resume: not tallied)."""
+    def seen(self, version: int) -> int:
+        """Tally the staleness of one gradient applied, computed on parameters of `version`,
+        and return it (not known for the versions a worker held before a resume: not tallied,
+        0 returned)."""
         if version < self.resumed:
-            return
+            return 0
         staleness = self.version - version
         self.staleness_sum += staleness
         self.staleness_count += 1
         self.staleness_max = max(self.staleness_max, staleness)
+        return staleness
 
     def reply(self, worker: int, finish: bool):
         """Send `worker` this shard's current parameters and whether it must finish."""
