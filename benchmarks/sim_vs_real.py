@@ -31,7 +31,7 @@ VARIANTS = {
     "ssp": {"staleness": 2},
     "asp": {},
     "absp": {},
-    "easgd": {"tau": 4},
+    "easgd": {},
     "gossip": {},
 }
 

@@ -21,7 +21,7 @@ VARIANTS = {
     "ssp": {"staleness": 2},
     "asp": {},
     "absp": {},
-    "easgd": {"tau": 4},
+    "easgd": {},
     "allreduce": {},
     "ako": {},
 }

@@ -261,3 +261,15 @@ def test_workers_that_stop_at_different_steps_finish(tmp_path, staleness):
     steps = [w["steps"] for w in summary["per_worker"]]
     assert summary["time_to_accuracy"]["0.5"] is not None and len(set(steps)) > 1
     assert summary["consensus_distance"] < 1e-6
+
+
+@pytest.mark.parametrize("bandwidth,exchange,partitions", [("100MB", "all-to-all", 1), ("2MB", "ring", 4)])
+def test_auto_takes_all_to_all_where_it_fits_the_link_and_the_ring_where_not(tmp_path, bandwidth, exchange, partitions):
+    """4 workers, 16 samples of 1 ms a step: all-to-all needs 3 x 90,408 bytes a step, which
+    fits 100 MB/s x 16 ms at p = 1; at 2 MB/s it would need p = 9 > 4, so the ring (2 x 3/4 x
+    90,408 bytes / p), link-bound at p = 4."""
+    config = small_config(tmp_path, strategy="ako", workers=4, bandwidth=bandwidth, seconds_per_sample=1e-3)
+    summary = ako.simulate(config).summary
+    assert (summary["exchange"], summary["partitions"]) == (exchange, partitions)
+    if exchange == "ring":
+        assert summary["partitions_reason"].endswith(f"the ring, as all-to-all would need more than p = {ako_strategy.P_MAX}")

@@ -16,6 +16,7 @@ from ako.replica import OptimizerConfig, Replica
 from ako.runtime import checkpoint
 from ako.strategies import STRATEGIES, paramserver
 from ako.strategies.ops import Compute, ComputePartial, Recv, Send
+from ako.strategies.ssp import WARMUP_CLOCKS
 from helpers import recorded, single_process_sgd, small_config
 
 
@@ -132,7 +133,7 @@ RECORDED_SSP = dataclasses.replace(STRATEGIES["ssp"], worker=recorded(STRATEGIES
 
 @pytest.mark.parametrize("staleness", [2])
 def test_ssp_no_worker_runs_more_than_s_clocks_ahead(tmp_path, staleness):
-    config = small_config(tmp_path, strategy="ssp", staleness=staleness, epochs=1.0, straggler=("rank=1,factor=4",))
+    config = small_config(tmp_path, strategy="ssp", staleness=staleness, epochs=3.0, straggler=("rank=1,factor=4",))
     result = ako.train(config, strategy=RECORDED_SSP)
     logs = [w.facts for w in result.workers]
     ahead = 0
@@ -144,6 +145,9 @@ def test_ssp_no_worker_runs_more_than_s_clocks_ahead(tmp_path, staleness):
                     assert done >= c - staleness, f"worker {w} started clock {c} while worker {v} had pushed {done}"
                     ahead = max(ahead, c - done)
     assert ahead == staleness, "the straggler never made the bound bite"
+    for w, log in enumerate(logs):  # the warm-up: lock-step for the first clocks
+        for c, start in enumerate(log["starts"][:WARMUP_CLOCKS]):
+            assert all(sum(1 for t in other["pushes"] if t <= start) >= c for other in logs)
     # a read includes every update of clocks < c - s; the other worker's clocks c - s .. c + s may be missing
     assert 1 <= result.summary["staleness_max"] <= (2 - 1) * (2 * staleness + 1)
 
@@ -205,3 +209,25 @@ def test_only_pushes_staler_than_a_round_are_damped():
 
     assert [staleness_scale(8, s) for s in (0, 7, 15, 31)] == [1.0, 1.0, 0.5, 0.25]
     assert staleness_scale(1, 0) == 1.0
+
+
+def test_the_stale_strategies_equal_their_references_in_the_simulator(tmp_path, bsp_reference):
+    """The same programs on virtual time: ssp with s = 0 equals bsp with momentum, and asp on
+    one worker equals single-process SGD with momentum."""
+    ssp = ako.simulate(small_config(tmp_path, strategy="ssp", staleness=0, servers=2, seconds_per_sample=1e-3, bandwidth="10MB"))
+    for params in final_params(ssp):
+        torch.testing.assert_close(params, bsp_reference.workers[0].params, rtol=0, atol=1e-5)
+    config = small_config(tmp_path, strategy="asp", workers=1, seconds_per_sample=1e-3)
+    asp = ako.simulate(config)
+    expected = single_process_sgd(config, asp.summary["iterations"])
+    torch.testing.assert_close(asp.workers[0].params, expected, rtol=0, atol=1e-5)
+
+
+def test_easgd_tau_auto_fits_a_round_into_the_servers_links(tmp_path):
+    """tau = ceil(n x model bytes / (S x B x T_step)): 4 workers, 90,408-byte model, 2 servers,
+    1 MB/s links, 16 samples of 1 ms a step: ceil(361,632 / 32,000) = 12; the summary says why."""
+    config = small_config(tmp_path, strategy="easgd", workers=4, servers=2, bandwidth="1MB", seconds_per_sample=1e-3)
+    summary = ako.simulate(config).summary
+    assert summary["tau"] == 12 and summary["tau_reason"].startswith("auto: n x model / servers = 0.18 MB")
+    given = ako.simulate(dataclasses.replace(config, tau=3)).summary
+    assert given["tau"] == 3 and given["tau_reason"] == "set by --tau"

@@ -28,9 +28,10 @@ Two exchanges of the windows (`--exchange`):
 - `ring`: the n windows of step t are summed by one all-reduce (a ring: 2 (n-1)/n x G / p
   bytes per worker per step, whatever n), started at once and applied s steps later, so it
   overlaps the next steps' computation. A collective needs every worker: a lost worker ends
-  the run. `auto` picks all-to-all below RING_FROM workers and the ring from there on.
+  the run. `auto` picks all-to-all below RING_FROM workers where it fits the link with
+  p <= P_MAX, and the ring otherwise (`choose_plan`).
 
-p and the staleness bound s: see `choose_partitions` (p = auto is capped at P_MAX) and
+p and the staleness bound s: see `choose_plan` (p = auto is capped at P_MAX) and
 DEFAULT_STALENESS. A worker waits, after sending step t, until every peer has sent step t - s,
 so the ledger holds at most s + 1 windows and the link's backlog stays bounded: when the link
 cannot carry the traffic, the steps wait for it (backpressure).
@@ -60,8 +61,7 @@ def worker(ctx):
     """Worker program; returns the exchange, partitions and why, for the run summary, and on
     rank 0 its replica before the flush (`unflushed`, (numel,)), so the run can hand back the
     better of the two models."""
-    exchange = resolve_exchange(ctx.config.exchange, ctx.world_size)
-    p, reason = yield from choose_partitions(ctx, exchange)
+    exchange, p, reason = yield from choose_plan(ctx)
     s = DEFAULT_STALENESS if ctx.config.staleness is None else ctx.config.staleness
     parts = partition_bounds(ctx.replica.numel, p, ctx.replica.boundaries)
     run = _ring if exchange == "ring" else _all_to_all
@@ -70,13 +70,6 @@ def worker(ctx):
     if ctx.rank == 0:
         facts["unflushed"] = unflushed
     return facts
-
-
-def resolve_exchange(exchange: str, n: int) -> str:
-    """The exchange `--exchange` names, `auto` resolved for n workers."""
-    if exchange != "auto":
-        return exchange
-    return "ring" if n >= RING_FROM else "all-to-all"
 
 
 class LocalSteps:
@@ -291,37 +284,63 @@ def check(config, numel: int) -> None:
         raise ConfigError(f"partitions {config.partitions}: must be at most the model's parameter count {numel}")
 
 
-def choose_partitions(ctx, exchange: str):
-    """p from --partitions, or Ako's auto rule (Ako, sec. 3): the smallest p whose traffic
-    fits the link budget B x T_step, with the most constrained worker's step time and link
-    (agreed by one all-reduce), capped at P_MAX. Traffic per step is (n-1) x G / p all-to-all
-    and 2 (n-1)/n x G / p on the ring. Returns (p, a one-line reason; "link-bound: ..." when
-    the cap binds, i.e. the steps will wait for the link)."""
-    n, numel, grad_bytes = ctx.world_size, ctx.replica.numel, ctx.replica.grad_bytes
-    if ctx.config.partitions != "auto":
-        return ctx.config.partitions, "set by --partitions"
+def choose_plan(ctx):
+    """The exchange and p, and why: (exchange, p, a one-line reason).
+
+    `--exchange auto` takes all-to-all, which survives a lost worker, where it fits the link
+    with p <= P_MAX, and the ring (fewer bytes whatever n) from RING_FROM workers on or where
+    all-to-all would not fit. p from --partitions, or Ako's auto rule (Ako, sec. 3): the
+    smallest p whose traffic fits the link budget B x T_step, with the most constrained
+    worker's step time and link (agreed by one all-reduce), capped at P_MAX; the reason starts
+    "link-bound: ..." when the cap binds, i.e. the steps will wait for the link."""
+    n, c = ctx.world_size, ctx.config
     if n == 1:
-        return 1, "a single worker has no peers"
-    given = ctx.config.bandwidth_bytes
+        return ("all-to-all" if c.exchange == "auto" else c.exchange), 1, "a single worker has no peers"
+    if c.partitions != "auto":
+        exchange = c.exchange if c.exchange != "auto" else ("ring" if n >= RING_FROM else "all-to-all")
+        return exchange, c.partitions, "set by --partitions"
+    given = c.bandwidth_bytes
     step_time = yield MeasureStep()
     bandwidth = given if given is not None else (yield MeasureBandwidth())
     worst = torch.tensor([-step_time, -bandwidth], dtype=torch.float64)
     yield AllReduce(worst, "max")
-    step_time, bandwidth = -worst[0].item(), -worst[1].item()
-    need = (n - 1) * grad_bytes if exchange == "all-to-all" else 2 * (n - 1) * grad_bytes / n
-    wanted = auto_partitions(need, bandwidth, step_time, numel)
-    p = min(wanted, P_MAX)
-    source = "given" if given is not None else "measured"
-    what = "(n-1) x gradient" if exchange == "all-to-all" else "2 (n-1)/n x gradient (ring)"
-    budget = f"B x T_step = {bandwidth / 1e6:.1f} MB/s ({source}) x {step_time * 1e3:.1f} ms (measured)"
-    if p == wanted:
+    budget = Budget(-worst[1].item(), -worst[0].item(), "given" if given is not None else "measured")
+    numel, grad_bytes = ctx.replica.numel, ctx.replica.grad_bytes
+    if c.exchange != "auto":
+        return c.exchange, *budget.partitions(c.exchange, n, grad_bytes, numel)
+    p, reason = budget.partitions("all-to-all", n, grad_bytes, numel)
+    if n < RING_FROM and not reason.startswith("link-bound"):
+        return "all-to-all", p, reason
+    p, reason = budget.partitions("ring", n, grad_bytes, numel)
+    why = f"{n} workers" if n >= RING_FROM else f"all-to-all would need more than p = {P_MAX}"
+    return "ring", p, f"{reason}; the ring, as {why}"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A worker's link budget: `bandwidth` (bytes/s, `source` given or measured) times the
+    measured seconds of a step, `step_time`."""
+
+    bandwidth: float
+    step_time: float
+    source: str
+
+    def partitions(self, exchange: str, n: int, grad_bytes: int, numel: int) -> tuple[int, str]:
+        """p for `exchange`: (n-1) x G / p bytes a step all-to-all, 2 (n-1)/n x G / p on the
+        ring must fit B x T_step; capped at P_MAX. Returns (p, why)."""
+        need = (n - 1) * grad_bytes if exchange == "all-to-all" else 2 * (n - 1) * grad_bytes / n
+        wanted = auto_partitions(need, self.bandwidth, self.step_time, numel)
+        p = min(wanted, P_MAX)
+        what = "(n-1) x gradient" if exchange == "all-to-all" else "2 (n-1)/n x gradient (ring)"
+        b, t = self.bandwidth, self.step_time
+        if p == wanted:
+            return p, (
+                f"auto: {what} = {need / 1e6:.2f} MB per step must fit B x T_step = {b / 1e6:.1f} MB/s "
+                f"({self.source}) x {t * 1e3:.1f} ms (measured) = {b * t / 1e6:.2f} MB, so p = ceil({need / (b * t):.2f}) = {p}"
+            )
+        per_step = need / p
         return p, (
-            f"auto: {what} = {need / 1e6:.2f} MB per step must fit {budget} = {bandwidth * step_time / 1e6:.2f} MB, "
-            f"so p = ceil({need / (bandwidth * step_time):.2f}) = {p}"
+            f"link-bound: the link budget asks for p = {wanted}, capped at {P_MAX} to keep the delay short; "
+            f"{what} / {p} = {per_step / 1e6:.2f} MB per step takes {per_step / b * 1e3:.1f} ms at "
+            f"{b / 1e6:.1f} MB/s ({self.source}), longer than the {t * 1e3:.1f} ms step, so steps wait for the link"
         )
-    per_step = need / p
-    return p, (
-        f"link-bound: the link budget asks for p = {wanted}, capped at {P_MAX} to keep the delay short; "
-        f"{what} / {p} = {per_step / 1e6:.2f} MB per step takes {per_step / bandwidth * 1e3:.1f} ms at "
-        f"{bandwidth / 1e6:.1f} MB/s, longer than the {step_time * 1e3:.1f} ms step, so steps wait for the link"
-    )

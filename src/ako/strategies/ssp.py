@@ -10,7 +10,11 @@ strategy) and by `staleness_scale` (1 unless the push is more than n - 1 updates
 pull returns every update that has arrived. Each worker has a clock (its pushes
 so far); a worker that has pushed clock c may start c + 1 only once the slowest running worker
 has pushed clock c - s, so it has seen every update of clocks <= c - s - 1, Ho et al.'s
-guarantee. `asp` has no bound: the reply is at once. With s = 0 every push of clock c was
+guarantee. `asp` has no bound: the reply is at once. Both start in lock-step: for the first
+WARMUP_CLOCKS clocks the bound is 0, so the workers' momentum buffers fill from fresh gradients
+before asynchrony begins (measured in docs/results.md, experiment 3: without it 2 of 60 cells,
+ssp with s = 1 and asp at a 2x straggler, diverged in their first epoch; a warm-up in the
+spirit of Goyal et al.'s and DGC's). With s = 0 every push of clock c was
 computed on the same parameters, and the mean of the n workers' momentum steps is BSP's momentum
 step (a momentum buffer is linear in the gradients): SSP equals BSP with momentum, Nesterov and
 weight decay.
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 from ako.strategies.ops import PeerLost, Recv
 from ako.strategies.paramserver import PUSH, Shard, unpack
+
+WARMUP_CLOCKS = 12  # the first clocks run in lock-step (s = 0), while the momentum buffers fill
 
 
 def ssp_server(sctx):
@@ -67,8 +73,9 @@ def server(sctx, bound: int | None):
                 del clock[m.src]
             held[m.src] = (m.step, bool(vote))
         slowest = min(clock.values(), default=None)
+        s = 0 if slowest is not None and slowest < WARMUP_CLOCKS else bound
         for worker, (c, finish) in list(held.items()):
-            if slowest is None or (not finish and (bound is None or slowest >= c + 1 - bound)):
+            if slowest is None or (not finish and (s is None or slowest >= c + 1 - s)):
                 del held[worker]
                 yield from shard.reply(worker, finish)
     return shard.facts()
