@@ -97,6 +97,18 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
     assert [w["steps"] for w in summary["per_worker"]] == [summary["iterations"]] * 2
 
 
+def test_a_lost_worker_under_the_ring_is_named_as_the_cause(tmp_path):
+    """Ako's ring exchange cannot survive a loss (a collective needs every member): the run ends
+    within seconds, naming the killed rank, not rank 0 that failed on it."""
+    out_dir = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "ako", "train", "--strategy", "ako", "--exchange", "ring", "--workers", "3",
+           "--dataset", "digits", "--epochs", "1000", "--timeout", "30", "--out-dir", str(out_dir), "--no-progress"]  # fmt: skip
+    code, _, err, elapsed = run_and_kill(cmd, "ako-rank1", out_dir, settle=1.0)
+    assert code == 1 and elapsed < 20, (code, elapsed)
+    assert "worker rank 1 failed: killed by SIGKILL; the others could not go on without it" in err, err
+    assert "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("strategy", ["ako", "allreduce"])
 def test_a_stopped_worker_never_hangs_the_run(tmp_path, strategy):
     """SIGSTOP: the process is alive but silent. The run still ends within the timeout, as

@@ -35,13 +35,17 @@ class RunResult:
 
     @property
     def model(self) -> torch.Tensor | None:
-        """The model the run hands back, flat (numel,): rank 0's final replica, or under `ako`
-        the better of the replicas after the flush and rank 0's replica before it
-        (`summary["final_model"]` says which). None where this process is not rank 0."""
+        """The model the run hands back, flat (numel,): rank 0's final replica; under `easgd`
+        the centre variable; under `ako` the better of the replicas after the flush and rank 0's
+        replica before it (`summary["final_model"]` says which). None where this process is
+        not rank 0."""
         if self.summary is None or not self.workers or self.workers[0].rank != 0:
             return None
+        facts = self.workers[0].facts
         if self.summary.get("final_model", {}).get("source") == "rank 0's replica before the flush":
-            return torch.as_tensor(self.workers[0].facts["unflushed"])
+            return torch.as_tensor(facts["unflushed"])
+        if facts.get("centre") is not None:
+            return torch.as_tensor(facts["centre"])
         return self.workers[0].params
 
 

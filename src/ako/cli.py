@@ -38,9 +38,9 @@ _FLAGS = {
     "max_time": ("stop after this many seconds of training", {}),
     "target_accuracy": ("stop when rank 0's test accuracy reaches this fraction, e.g. 0.85", {}),
     "eval_every": ("evaluate every this many epochs", {}),
-    "partitions": ("ako: number of gradient partitions p, or auto (the link budget's, at most 8)", {}),
+    "partitions": ("ako: number of gradient partitions p, or auto (the link budget's, at most 4)", {}),
     "exchange": ("ako: all-to-all (every peer gets each window), ring (an all-reduce of each window), or auto "
-                 "(ring from 16 workers on)", {}),
+                 "(ring from 8 workers on, or where all-to-all would not fit the link)", {}),
     "staleness": ("ako: staleness bound s (0 = lock-step; default 1); ssp: s (default 2)", {}),
     "bandwidth": (
         "ako and easgd auto: link budget, e.g. 1Gbit or 100MB (default: measured); simulate: every node's up- "

@@ -130,8 +130,8 @@ def parse_bandwidth(text: str) -> float:
         )
     value, prefix, unit = match.groups()
     rate = float(value) * _PREFIX[prefix] * _UNITS[unit or "B"]
-    if not rate > 0:
-        raise ConfigError(f"bandwidth {text!r}: must be greater than 0")
+    if not 1 <= rate < math.inf:
+        raise ConfigError(f"bandwidth {text!r}: must be at least 1 byte/s and finite")
     return rate
 
 
@@ -241,7 +241,7 @@ def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
     if c.target_accuracy is not None:
         c.target_accuracy = _number("target_accuracy", c.target_accuracy, low=0.0, high=1.0, low_open=True)
     if c.staleness is not None:
-        c.staleness = _integer("staleness", c.staleness, low=0)
+        c.staleness = _integer("staleness", c.staleness, low=0, high=1000)
     if c.partitions != "auto":
         c.partitions = _integer("partitions", c.partitions, low=1, hint=" or 'auto'")
     if c.bandwidth is not None:

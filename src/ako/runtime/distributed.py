@@ -579,13 +579,13 @@ def final_model(state: WorkerState, unflushed: torch.Tensor, final: dict, test_s
     or rank 0's replica before it, `unflushed` (numel,), when that one tests better (a flush
     that averages replicas which drifted apart can make the model worse: it is reported)."""
     loss, accuracy = state.replica.evaluate_params(unflushed.to(state.replica.params.device), test_set)
-    flushed = final["test_accuracy"]
-    worse = accuracy > flushed
+    flushed, accuracy = final["test_accuracy"], round(accuracy, 5)
+    worse = accuracy > flushed  # a tie keeps the flushed replicas
     return {
         "source": "rank 0's replica before the flush" if worse else "the replicas after the flush",
         "test_accuracy": round(max(accuracy, flushed), 5),
         "flushed_accuracy": flushed,
-        "unflushed_accuracy": round(accuracy, 5),
+        "unflushed_accuracy": accuracy,
         "unflushed_loss": round(loss, 5),
     }
 

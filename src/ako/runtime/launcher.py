@@ -176,6 +176,9 @@ class _Group:
                     stopped = next((r for r in sorted(running) if _stopped(self.procs[r].pid)), None)
                     if stopped is not None:  # the cause, rather than the rank that timed out on it
                         raise WorkerFailed(f"{role(stopped)} rank {stopped} failed: stopped (SIGSTOP or a debugger); the others timed out waiting for it")
+                    first = min((r for r in lost if r != rank), default=None)
+                    if first is not None:  # a loss the strategy could not survive after all (Ako's ring)
+                        raise WorkerFailed(f"{role(first)} rank {first} failed: {lost[first]}; the others could not go on without it")
                     raise WorkerFailed(f"{role(rank)} rank {rank} failed: {lost[rank]}")
         return self.results
 

@@ -26,6 +26,7 @@ from ako.strategies.ops import Compute, MeasureBandwidth, MeasureStep, PeerLost,
 from ako.strategies.paramserver import PULL, PUSH, Shard, pack, pull, push, unpack
 
 CENTRE = 13
+TAU_MAX = 1_000_000  # as --tau allows
 
 
 def worker(ctx):
@@ -60,12 +61,13 @@ def choose_tau(ctx):
     bandwidth = c.bandwidth_bytes if c.bandwidth is not None else (yield MeasureBandwidth())
     servers = len(ctx.servers)
     need = ctx.world_size * ctx.replica.grad_bytes / servers
-    tau = max(1, math.ceil(need / (bandwidth * step_time)))
+    ratio = need / (bandwidth * step_time) if bandwidth * step_time > 0 else math.inf
+    tau = max(1, math.ceil(min(ratio, TAU_MAX)))
     source = "given" if c.bandwidth is not None else "measured"
     return tau, (
         f"auto: n x model / servers = {need / 1e6:.2f} MB per round must fit B x T_step = {bandwidth / 1e6:.1f} MB/s "
         f"({source}) x {step_time * 1e3:.1f} ms (measured) = {bandwidth * step_time / 1e6:.2f} MB a step, "
-        f"so tau = ceil({need / (bandwidth * step_time):.2f}) = {tau}"
+        f"so tau = ceil({ratio:.2f}) = {tau}" + (f" (at most {TAU_MAX})" if tau == TAU_MAX else "")
     )
 
 

@@ -39,5 +39,7 @@ def auto_partitions(bytes_per_step: float, bandwidth: float, step_time: float, n
     seconds per step must be <= B * T_step. All-to-all traffic grows with n, and so does p,
     so bytes per worker per second stay constant as the cluster grows.
     """
-    need = bytes_per_step / (bandwidth * step_time)
-    return min(max(1, math.ceil(need)), numel)
+    budget = bandwidth * step_time
+    if not budget > 0:  # a step that takes no time: nothing fits
+        return numel
+    return min(max(1, math.ceil(min(bytes_per_step / budget, numel))), numel)
