@@ -123,7 +123,7 @@ def test_absp_straggler_hands_in_part_of_its_assignment(tmp_path):
 
 def _bandwidth_bound(tmp_path, strategy, n, **overrides):
     config = small_config(
-        tmp_path, strategy=strategy, workers=n, train_samples=1024, batch_size=8, epochs=2.0,
+        tmp_path, strategy=strategy, workers=n, train_samples=1024, batch_size=8, epochs=10.0,
         eval_every=0.25, seconds_per_sample=1e-3, **overrides,
     )  # fmt: skip
     return ako.simulate(config).summary
@@ -133,7 +133,8 @@ def test_server_downlink_saturates_as_workers_grow(tmp_path):
     """asp, one server, each push taking c / 20 of the server's downlink: its utilisation grows
     with n (steady state n / 22 below saturation) until the link is the bottleneck (32 pushes
     per c need 1.6 c of link time). Over the whole run it stays below 1 at n = 32 only because
-    the link idles during the first computation and while the last workers finish."""
+    the link idles during the first computation, the lock-step warm-up clocks and while the
+    last workers finish (10 epochs: 40 clocks at n = 32, of which 12 in lock-step)."""
     bandwidth = f"{G * 20 / 0.008:.0f}"  # bytes/s: G / B = c / 20 for c = 8 samples x 1 ms
     use = [_bandwidth_bound(tmp_path, "asp", n, bandwidth=bandwidth)["per_server"][0]["downlink_utilisation"] for n in (4, 8, 16, 32)]
     assert use == sorted(use)
