@@ -239,3 +239,11 @@ def test_a_diverged_average_still_gives_a_summary():
     summary = build_summary("ako", ako.TrainConfig(), "digits", [report], [], final, (float("nan"), 0.1), 1.0, 1.0)
     assert summary["average_loss"] is None and summary["average_accuracy"] == 0.1
     json.dumps(finite(summary), allow_nan=False)  # as write_summary writes it
+
+
+def test_calibrate_makes_the_profile_s_directory_or_says_why_not(tmp_path, capsys):
+    out = tmp_path / "new" / "dir" / "profile.toml"
+    assert main(["calibrate", "--model", "cnn", "--dataset", "digits", "--out", str(out)]) == 0
+    assert tomllib.loads(out.read_text())["seconds_per_sample"] > 0
+    assert main(["calibrate", "--model", "cnn", "--dataset", "digits", "--out", "/dev/null/x/p.toml"]) == 2
+    assert capsys.readouterr().err.strip().endswith("cannot make its directory (Not a directory)")

@@ -89,6 +89,11 @@ def calibrate(config: TrainConfig, out: str | None = None, repeats: int = 20, pr
     thread) and on the GPU where CUDA is present; with `processes` > 1 also 1..`processes`
     processes at once (the module docstring); write the profile to `out` when given.
     Returns the profile. Raises ConfigError, DataError, or RuntimeError (a process failed)."""
+    if out is not None:  # before minutes of measuring: a place the profile can be written
+        try:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"out {out!r}: cannot make its directory ({e.strerror})") from None
     job = Job(config)
     data = job.load_data()
     job.validate(data, job.build_replica(data, torch.device("cpu")).numel)
@@ -107,7 +112,10 @@ def calibrate(config: TrainConfig, out: str | None = None, repeats: int = 20, pr
         shared = [profile["seconds_per_sample"]] + [measure_shared(config, k, repeats) for k in range(2, processes + 1)]
         profile["shared_seconds_per_sample"] = shared
     if out is not None:
-        write_atomic(Path(out), tomli_w.dumps(profile))
+        try:
+            write_atomic(Path(out), tomli_w.dumps(profile))
+        except OSError as e:
+            raise ConfigError(f"out {out!r}: cannot write the profile ({e.strerror})") from None
     return profile
 
 
