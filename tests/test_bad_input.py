@@ -35,9 +35,11 @@ SETTINGS = st.dictionaries(st.sampled_from(NAMES), VALUES, max_size=5)
 
 
 @pytest.fixture
-def started(monkeypatch):
+def started(monkeypatch, tmp_path):
     """Where `ako train` would start its processes, record the job instead (the property is
-    about everything before that point; real starts are what the other tests do)."""
+    about everything before that point; real starts are what the other tests do). Runs in
+    `tmp_path`, so that a random relative --out-dir is made there, not in the checkout."""
+    monkeypatch.chdir(tmp_path)
     jobs = []
 
     def launch(job, world):

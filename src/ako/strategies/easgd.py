@@ -66,7 +66,7 @@ def choose_tau(ctx):
     source = "given" if c.bandwidth is not None else "measured"
     return tau, (
         f"auto: n x model / servers = {need / 1e6:.2f} MB per round must fit B x T_step = {bandwidth / 1e6:.1f} MB/s "
-        f"({source}) x {step_time * 1e3:.1f} ms (measured) = {bandwidth * step_time / 1e6:.2f} MB a step, "
+        f"({source}) x {step_time * 1e3:.1f} ms (a step) = {bandwidth * step_time / 1e6:.2f} MB a step, "
         f"so tau = ceil({ratio:.2f}) = {tau}" + (f" (at most {TAU_MAX})" if tau == TAU_MAX else "")
     )
 
