@@ -325,6 +325,12 @@ def test_real_fashion_mnist(real_fashion_mnist):
 
 
 @settings(max_examples=60, deadline=None)
+def shard(dataset_size, rank, world_size, seed, epoch):
+    """A worker's whole shard of `epoch`: with batches of one, an epoch of its stream."""
+    sampler = ShardSampler(dataset_size, rank, world_size, 1, seed)
+    return sampler.stream(epoch * sampler.shard_size, sampler.shard_size)
+
+
 @given(
     dataset_size=st.integers(1, 500),
     world_size=st.integers(1, 9),
@@ -338,10 +344,7 @@ def test_shards_are_disjoint_and_equal(dataset_size, world_size, batch_size, see
         with pytest.raises(ValueError, match="larger than a worker's shard"):
             ShardSampler(dataset_size, 0, world_size, batch_size, seed)
         return
-    shards = [
-        ShardSampler(dataset_size, rank, world_size, batch_size, seed).epoch_indices(epoch)
-        for rank in range(world_size)
-    ]
+    shards = [shard(dataset_size, rank, world_size, seed, epoch) for rank in range(world_size)]
     assert all(s.shape == (shard_size,) and s.dtype == torch.int64 for s in shards)
     union = torch.cat(shards)
     assert union.unique().numel() == union.numel() == dataset_size - dataset_size % world_size
@@ -349,16 +352,14 @@ def test_shards_are_disjoint_and_equal(dataset_size, world_size, batch_size, see
 
 
 def test_epochs_differ_and_seeds_repeat():
-    a = ShardSampler(1000, 1, 4, 10, seed=7)
-    b = ShardSampler(1000, 1, 4, 10, seed=7)
-    assert torch.equal(a.epoch_indices(3), b.epoch_indices(3))
-    assert not torch.equal(a.epoch_indices(0), a.epoch_indices(1))
-    assert not torch.equal(a.epoch_indices(0), ShardSampler(1000, 1, 4, 10, 8).epoch_indices(0))
+    assert torch.equal(shard(1000, 1, 4, 7, 3), shard(1000, 1, 4, 7, 3))
+    assert not torch.equal(shard(1000, 1, 4, 7, 0), shard(1000, 1, 4, 7, 1))
+    assert not torch.equal(shard(1000, 1, 4, 7, 0), shard(1000, 1, 4, 8, 0))
 
 
 def test_leftover_samples_change_between_epochs():
     def skipped(epoch):
-        used = torch.cat([ShardSampler(10, r, 3, 1, seed=0).epoch_indices(epoch) for r in range(3)])
+        used = torch.cat([shard(10, r, 3, 0, epoch) for r in range(3)])
         return set(range(10)) - set(used.tolist())
 
     per_epoch = [skipped(e) for e in range(20)]
@@ -367,18 +368,19 @@ def test_leftover_samples_change_between_epochs():
     assert ShardSampler(103, 0, 1, 1, seed=0).shard_size == 103  # one worker skips nothing
 
 
-def test_batch_agrees_with_batches():
+def test_batches_are_consecutive_chunks_of_the_shard():
     sampler = ShardSampler(1003, 2, 3, 16, seed=5)
     assert sampler.shard_size == 334
     assert sampler.steps_per_epoch == 20
-    expected = [b for epoch in range(3) for b in sampler.batches(epoch)]
+    shards = [shard(1003, 2, 3, 5, epoch) for epoch in range(3)]
+    expected = [s[i * 16 : (i + 1) * 16] for s in shards for i in range(20)]
     assert len(expected) == 60
     assert all(b.shape == (16,) and b.dtype == torch.int64 for b in expected)
     fresh = ShardSampler(1003, 2, 3, 16, seed=5)
     for step, batch in enumerate(expected):
         assert torch.equal(fresh.batch(step), batch)
-    # Batches of one epoch are consecutive chunks of its shard, the incomplete tail dropped.
-    assert torch.equal(torch.cat(list(sampler.batches(1))), sampler.epoch_indices(1)[:320])
+    # The stream is the batches one after another, the incomplete tail of each shard dropped.
+    assert torch.equal(sampler.stream(320, 320), shards[1][:320])
     # Going back to an earlier epoch is still right (cache is per epoch, not append-only).
     assert torch.equal(fresh.batch(0), expected[0])
 
@@ -398,7 +400,7 @@ def test_returned_indices_do_not_alias_the_cache():
     first = sampler.batch(0)
     first.fill_(-1)
     assert (sampler.batch(0) >= 0).all()
-    sampler.epoch_indices(0).fill_(-1)
+    sampler.stream(0, 5).fill_(-1)
     assert (sampler.batch(0) >= 0).all()
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from ako.cli import main
 from ako.report import _sig, write_report
-from ako.sweep import finished, load_sweep
+from ako.sweep import finished_run, load_sweep
 
 TINY = """
 runtime = "simulate"
@@ -292,13 +292,13 @@ def test_a_cell_is_finished_only_for_the_same_settings_and_runtime(tmp_path):
     cell = load_sweep(file).cells()[0]
     fake_cell(tmp_path, cell, [(0, 0.1), (1, 0.6)], 1000)
     cell_dir = tmp_path / "cells" / cell.name
-    assert finished(cell_dir, cell) == next(cell_dir.glob("*/summary.json")).parent
+    assert finished_run(cell_dir, cell)[0] == next(cell_dir.glob("*/summary.json")).parent
     file.write_text(STRAGGLERS.replace('runtime = "simulate"', 'runtime = "train"'))
-    assert finished(cell_dir, load_sweep(file).cells()[0]) is None
+    assert finished_run(cell_dir, load_sweep(file).cells()[0]) is None
     file.write_text(STRAGGLERS.replace("workers = 4", "workers = 5"))
-    assert finished(cell_dir, load_sweep(file).cells()[0]) is None
+    assert finished_run(cell_dir, load_sweep(file).cells()[0]) is None
     (cell_dir / "cell.json").write_text("[1, 2")  # a cell.json cut short
-    assert finished(cell_dir, cell) is None
+    assert finished_run(cell_dir, cell) is None
 
 
 @pytest.mark.parametrize("damage", ["summary", "metrics", "cell"])
@@ -310,7 +310,7 @@ def test_a_cell_with_damaged_outputs_is_not_finished(tmp_path, damage):
     cell_dir = tmp_path / "cells" / cell.name
     run = next(cell_dir.glob("*/summary.json")).parent
     {"summary": run / "summary.json", "metrics": run / "metrics.jsonl", "cell": cell_dir / "cell.json"}[damage].write_text("[]")
-    assert finished(cell_dir, cell) is None
+    assert finished_run(cell_dir, cell) is None
 
 
 def test_a_report_where_nothing_reached_the_target(tmp_path):

@@ -187,14 +187,6 @@ def load_toml(path: str | os.PathLike) -> dict:
     return data
 
 
-def make_config(**values) -> TrainConfig:
-    """Build and validate a TrainConfig from keyword values. Raises ConfigError."""
-    unknown = sorted(set(values) - set(FIELDS))
-    if unknown:
-        raise ConfigError(f"unknown setting {unknown[0]!r}; allowed: {', '.join(FIELDS)}")
-    return validate(TrainConfig(**values))
-
-
 def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
     """Check every field's type and range; return the config with values normalised
     (e.g. partitions "3" -> 3). `simulated`: for `ako simulate`, which takes SIMULATE_OPTIONS

@@ -278,15 +278,9 @@ def _check_cell(cell: Cell) -> None:
 # --- running ---------------------------------------------------------------------------------
 
 
-def finished(cell_dir: Path, cell: Cell) -> Path | None:
-    """The cell's run directory when its run finished with these settings on this runtime and
-    its outputs can be read, else None (the cell is to be run again)."""
-    run = finished_run(cell_dir, cell)
-    return None if run is None else run[0]
-
-
 def finished_run(cell_dir: Path, cell: Cell) -> tuple[Path, dict, list[dict]] | None:
-    """`finished`'s run directory with its summary and evaluation records, or None."""
+    """The cell's run directory, summary and evaluation records when its run finished with these
+    settings on this runtime and its outputs can be read, else None (the cell is to be run again)."""
     try:
         recorded = json.loads((cell_dir / "cell.json").read_text())
     except (OSError, ValueError):
@@ -336,7 +330,7 @@ def run_sweep(sweep: Sweep, out: Path, jobs: int = 1, progress: bool | None = No
     except OSError as e:
         raise SweepFailed(f"sweep directory {str(out)!r}: cannot write there ({e.strerror or e})") from None
     cells = sweep.cells()
-    todo = [c for c in cells if finished(out / "cells" / c.name, c) is None]
+    todo = [c for c in cells if finished_run(out / "cells" / c.name, c) is None]
     bar = _progress(len(cells), len(cells) - len(todo), progress)
     failed: list[tuple[Cell, str]] = []
     running: dict = {}

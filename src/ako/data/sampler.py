@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
@@ -62,16 +61,6 @@ class ShardSampler:
     def steps_per_epoch(self) -> int:
         """Batches per worker per epoch: ``shard_size // batch_size``."""
         return self.shard_size // self.batch_size
-
-    def epoch_indices(self, epoch: int) -> torch.Tensor:
-        """This worker's shard for ``epoch`` (>= 0): int64 ``(shard_size,)``, a fresh tensor."""
-        return self._shard(epoch).clone()
-
-    def batches(self, epoch: int) -> Iterator[torch.Tensor]:
-        """The ``steps_per_epoch`` batches of ``epoch``, each int64 ``(batch_size,)``."""
-        shard = self.epoch_indices(epoch)
-        for step in range(self.steps_per_epoch):
-            yield shard[step * self.batch_size : (step + 1) * self.batch_size]
 
     def batch(self, step: int) -> torch.Tensor:
         """Indices int64 ``(batch_size,)`` for global step ``step`` (>= 0), counted from epoch 0.

@@ -40,7 +40,6 @@ from ako.strategies.ops import (
     Lost,
     MeasureBandwidth,
     MeasureStep,
-    Now,
     PartialGradient,
     PeerLost,
     Poll,
@@ -236,8 +235,6 @@ class DistributedRuntime:
                 return self.all_reduce(tensor, reduce, wait=wait)
             case Wait(handle):
                 return self._wait(handle)
-            case Now():
-                return self.clock.now()
             case MeasureStep():
                 return self.measure_step()
             case MeasureBandwidth():

@@ -16,7 +16,7 @@ out the operations of `ako.strategies.ops` as the distributed runtime does, with
   resumes them all when the ring all-reduce's modelled time has passed. Each worker's k-th
   all-reduce joins the k-th collective; one started with `wait=False` resumes its worker at
   once, and `Wait` holds it until that collective is over.
-- `Now` is the virtual clock; `MeasureStep` and `MeasureBandwidth` return the cost model's
+- `MeasureStep` and `MeasureBandwidth` return the cost model's
   values; `Lost` is empty (no failures are simulated).
 Evaluations (rank 0's snapshots, and for decentralised strategies the consensus distance of
 every worker's copy at the same step) take no virtual time. Same seed, same costs: same result, bit
@@ -50,7 +50,6 @@ from ako.strategies.ops import (
     MeasureBandwidth,
     MeasureStep,
     Message,
-    Now,
     PartialGradient,
     Poll,
     Publish,
@@ -200,8 +199,6 @@ class SimulatedRuntime:
                 return (yield from self.wait(node, collective)) if wait else collective
             case Wait(collective):
                 return (yield from self.wait(node, collective))
-            case Now():
-                return self.env.now
             case Publish(tensor, step):
                 node.snapshot = (tensor.detach().clone(), step)
                 for puller in node.pullers:

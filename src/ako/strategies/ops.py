@@ -172,11 +172,6 @@ class Wait:
 
 
 @dataclass(frozen=True)
-class Now:
-    """Result: seconds since training started on the runtime's clock (wall or virtual)."""
-
-
-@dataclass(frozen=True)
 class Lost:
     """Result: the frozenset of peer ranks known to be dead (for strategies that survive losses;
     a `Send` to a dead peer is dropped). Counts as reporting those losses (see `Recv`)."""
