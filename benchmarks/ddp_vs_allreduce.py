@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import ako
 from ako.data import ShardSampler, fetch, load_dataset
 from ako.models import build_model
-from ako.runtime.launcher import launch_function
+from ako.runtime.distributed.launcher import launch_function
 
 WORKERS, BATCH = 2, 64
 

@@ -16,8 +16,8 @@ from ako import TrainConfig
 from ako.data import ShardSampler, fetch, load_dataset
 from ako.models import build_model
 from ako.replica import OptimizerConfig, Replica
-from ako.runtime import checkpoint
-from ako.strategies import Strategy, gossip
+from ako.runtime.distributed import checkpoint
+from ako.strategies import STRATEGIES, Strategy, gossip
 from ako.strategies import ako as ako_strategy
 from ako.strategies.ops import Compute, Publish, Pull
 
@@ -44,25 +44,10 @@ def small_config(tmp_path, **overrides) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def record_gradients(program, ctx):
-    """Run `program` unchanged and add to its facts the sum of every gradient it computed."""
-    total = torch.zeros(ctx.replica.numel, dtype=torch.float64)
-    gen, result = program(ctx), None
-    while True:
-        try:
-            op = gen.send(result)
-        except StopIteration as done:
-            return {**(done.value or {}), "grad_sum": total}
-        result = yield op
-        if isinstance(op, Compute):
-            total += result.grad
-
-
-def _recorded_ako(ctx):
-    return (yield from record_gradients(ako_strategy.worker, ctx))
-
-
-RECORDED_AKO = Strategy("ako", _recorded_ako, decentralised=True, check=ako_strategy.check)
+def sum_gradients(op, result, log) -> None:
+    """A `recorded` hook: the sum of every gradient computed, float64 (numel,), as `grad_sum`."""
+    if isinstance(op, Compute):
+        log["grad_sum"] = log.get("grad_sum", 0) + result.grad.double()
 
 
 def single_process_sgd(config: TrainConfig, steps: int, ranks=None) -> torch.Tensor:
@@ -169,6 +154,9 @@ class recorded:
                 return {**(done.value or {}), **log}
             result = yield op
             self.record(op, result, log)
+
+
+RECORDED_AKO = replace(STRATEGIES["ako"], worker=recorded(ako_strategy.worker, sum_gradients))
 
 
 def find_process(name: str, parent: int, deadline: float) -> int:

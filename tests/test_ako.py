@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ako
-from ako.runtime.job import Job
+from ako.run.job import Job
 from ako.strategies import STRATEGIES, Strategy
 from ako.strategies import ako as ako_strategy
 from ako.strategies.ops import Message

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import ako.api
 from ako.cli import main
 from ako.config import FIELDS, validate
-from ako.runtime.distributed import WorkerResult
+from ako.run.outcome import WorkerResult
 
 # every setting a user can give, with values of every kind: valid, out of range, wrong type
 NAMES = sorted(set(FIELDS) - {"resume"})  # --resume reads a run directory: tests/test_checkpoint.py

@@ -10,8 +10,8 @@ from helpers import small_config
 
 from ako.cli import main
 from ako.config import to_toml
-from ako.runtime import checkpoint
-from ako.runtime.job import Job
+from ako.runtime.distributed import checkpoint
+from ako.run.job import Job
 
 
 class Payload:

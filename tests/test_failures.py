@@ -21,7 +21,7 @@ from helpers import run_and_kill, wait_for_checkpoint
 
 import ako
 from ako.config import PARAMETER_SERVER, STRATEGIES, TrainConfig, load_toml
-from ako.runtime import checkpoint
+from ako.runtime.distributed import checkpoint
 
 SURVIVES = {"ako", "gossip", "asp", "easgd"}  # carry on without a dead worker
 DETERMINISTIC = {"allreduce", "bsp"}

@@ -12,7 +12,7 @@ from helpers import GOSSIP_LR0, LATE_PUBLISHER, STAR_PULL, run_and_kill, small_c
 
 import ako
 from ako.cli import build_parser, config_from_args, main
-from ako.runtime.consensus import consensus_distance
+from ako.run.consensus import consensus_distance
 from ako.strategies.gossip import WEIGHT_UNIT, PeerSelector, PushSumState, rotating_partner
 from ako.strategies.ops import Message
 

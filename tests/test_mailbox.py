@@ -9,9 +9,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ako.runtime.distributed import join_process_group
-from ako.runtime.launcher import launch_function
-from ako.runtime.mailbox import Mailbox
+from ako.runtime.distributed.process import join_process_group
+from ako.runtime.distributed.launcher import launch_function
+from ako.runtime.distributed.mailbox import Mailbox
 
 
 def exchange_for(seconds: float, timeout: float) -> dict:

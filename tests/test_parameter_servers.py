@@ -13,7 +13,7 @@ import ako
 from ako.data import ShardSampler, fetch, load_dataset
 from ako.models import build_model
 from ako.replica import OptimizerConfig, Replica
-from ako.runtime import checkpoint
+from ako.runtime.distributed import checkpoint
 from ako.strategies import STRATEGIES, paramserver
 from ako.strategies.ops import Compute, ComputePartial, Recv, Send
 from ako.strategies.ssp import WARMUP_CLOCKS

@@ -16,7 +16,7 @@ import ako
 from ako.cli import main
 from ako.models import build_model
 from ako.replica import OptimizerConfig, Replica
-from ako.runtime.costs import Costs, SharedHost
+from ako.runtime.simulated.costs import Costs, SharedHost
 from ako.strategies.partition import partition_bounds
 from helpers import single_process_sgd, small_config
 

@@ -3,6 +3,6 @@
 from ako.api import RunResult, calibrate, simulate, train
 from ako.config import ConfigError, TrainConfig
 from ako.data import DataError
-from ako.runtime.launcher import WorkerFailed
+from ako.runtime.distributed.launcher import WorkerFailed
 
 __all__ = ["ConfigError", "DataError", "RunResult", "TrainConfig", "WorkerFailed", "calibrate", "simulate", "train"]

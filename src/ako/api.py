@@ -18,9 +18,11 @@ import torch
 from torch import nn
 
 from ako.config import ConfigError, TrainConfig, validate
-from ako.runtime.distributed import WorkerResult, run_worker
-from ako.runtime.job import Job
-from ako.runtime.launcher import launch, under_elastic_agent
+from ako.run.job import Job
+from ako.run.outcome import WorkerResult
+from ako.runtime.distributed import checkpoint
+from ako.runtime.distributed.launcher import launch, under_elastic_agent
+from ako.runtime.distributed.process import run_worker
 from ako.strategies import Strategy
 
 
@@ -72,7 +74,9 @@ def train(
     if under_elastic_agent():
         result = run_worker(job)
         return RunResult(result.summary, [result])
-    job.check()
+    _, numel = job.check()
+    if job.config.resume is not None:
+        checkpoint.find(job.config.resume, job.identity(numel), job.config.workers)
     results = launch(job, job.config.workers + (job.config.servers or 0))
     workers = [results[r] for r in sorted(results) if r < job.config.workers]
     return RunResult(results[0].summary, workers)
@@ -99,13 +103,13 @@ def simulate(
     worker's final parameters. Raises ConfigError or DataError (bad input) and RuntimeError
     (the strategy deadlocked).
     """
-    from ako.runtime.calibrate import load_profile, measure_seconds_per_sample
-    from ako.runtime.costs import Costs
-    from ako.runtime.simulated import simulate_job
+    from ako.runtime.simulated.calibrate import load_profile, measure_seconds_per_sample
+    from ako.runtime.simulated.costs import Costs
+    from ako.runtime.simulated.simulate import simulate_job
 
     config = validate(config, simulated=True)
     job = Job(config, strategy, model_fn, train_set, test_set)
-    data = job.check()
+    data, _ = job.check()
     sps, shared = config.seconds_per_sample, ()
     if config.profile is not None:
         profile = load_profile(config.profile, config, data.name)
@@ -125,7 +129,7 @@ def calibrate(config: TrainConfig, out: str | None = None, processes: int = 1) -
     one thread; and the GPU where CUDA is present; with `processes` > 1 also 2..`processes`
     processes computing at once) and write the profile to `out` when given.
     Returns the profile dict. Raises ConfigError, DataError or RuntimeError."""
-    from ako.runtime.calibrate import calibrate as measure
+    from ako.runtime.simulated.calibrate import calibrate as measure
 
     if isinstance(processes, bool) or not isinstance(processes, int) or not 1 <= processes <= 256:
         raise ConfigError(f"processes {processes!r}: must be an integer from 1 to 256")

@@ -176,7 +176,7 @@ def cmd_train(config: TrainConfig) -> int:
     """`ako train`: exit status 0, or 1 when a worker failed (one line naming its rank)."""
     from ako.api import train
     from ako.data import DataError
-    from ako.runtime.launcher import EXPECTED_FAILURES, WorkerFailed, one_line, under_elastic_agent
+    from ako.runtime.distributed.launcher import EXPECTED_FAILURES, WorkerFailed, one_line, under_elastic_agent
 
     try:
         train(config)

@@ -1,6 +1,7 @@
 """Consensus distance: how far apart the replicas of a decentralised strategy are.
 
-How it is measured over time (distributed runtime). Evaluation point k is every worker's step
+How it is measured over time (`ReplicaExchange`: over the mailbox on real processes,
+`runtime.distributed.replicas`; a shared table in the simulator). Evaluation point k is every worker's step
 k x E (E = `eval_every` epochs in steps, the same on every worker: shards are equal), the
 step at which rank 0 takes its evaluation snapshot. At that point every other worker sends a
 copy of its replica to rank 0 through the mailbox, on a runtime tag that does not count as
@@ -24,8 +25,6 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-
-from ako.runtime.mailbox import REPLICA, Mailbox
 
 
 def consensus_distance(replicas: torch.Tensor, weights: list[float] | None = None) -> tuple[float, torch.Tensor]:
@@ -57,43 +56,3 @@ class ReplicaExchange(Protocol):
     def peer_replicas(self, point: int, final: bool) -> list[torch.Tensor] | None:
         """Rank 0: the other workers' replicas at `point`, once every live worker's is in (or,
         when `final`, whatever came); None while some are missing."""
-
-
-class MailboxReplicas:
-    """`ReplicaExchange` over the distributed runtime's mailbox (tag REPLICA, not training
-    traffic); `workers` is the number of workers (ranks 0 .. workers-1)."""
-
-    def __init__(self, mailbox: Mailbox, workers: int):
-        self.mailbox = mailbox
-        self.peers = list(range(1, workers))
-        self.copies: dict[int, dict[int, torch.Tensor]] = {}  # point -> rank -> replica
-
-    def report_replica(self, point: int, params: torch.Tensor) -> None:
-        # a measurement never fails a run: if rank 0 is gone, the run fails elsewhere
-        self.mailbox.send(params.detach().to("cpu", copy=True), 0, REPLICA, step=point, drop_lost=True)
-
-    def peer_replicas(self, point: int, final: bool) -> list[torch.Tensor] | None:
-        for message in self.mailbox.poll(REPLICA, tolerant=True):
-            self.copies.setdefault(message.step, {})[message.src] = message.tensor
-        got = self.copies.get(point, {})
-        missing = [p for p in self.peers if p not in got and p not in self.mailbox.lost]
-        if missing and not final:
-            return None
-        return [replica for _, replica in sorted(self.copies.pop(point, {}).items())]
-
-
-class SharedReplicas:
-    """`ReplicaExchange` within one process (the simulated runtime): worker `rank` puts its
-    copies into `table` (point -> rank -> replica), which all `workers` workers share."""
-
-    def __init__(self, table: dict[int, dict[int, torch.Tensor]], rank: int, workers: int):
-        self.table, self.rank, self.peers = table, rank, range(1, workers)
-
-    def report_replica(self, point: int, params: torch.Tensor) -> None:
-        self.table.setdefault(point, {})[self.rank] = params.detach().clone()
-
-    def peer_replicas(self, point: int, final: bool) -> list[torch.Tensor] | None:
-        got = self.table.get(point, {})
-        if not final and any(p not in got for p in self.peers):
-            return None
-        return [replica for _, replica in sorted(self.table.pop(point, {}).items())]

@@ -25,8 +25,9 @@ import torch.distributed as dist
 
 from ako.config import ConfigError
 from ako.data import DataError
-from ako.runtime.distributed import WorkerResult, run_worker
-from ako.runtime.job import Job
+from ako.run.outcome import WorkerResult
+from ako.runtime.distributed.process import run_worker
+from ako.run.job import Job
 from ako.strategies.ops import PeerLost
 
 # Failures a worker reports in one line; anything else is a bug and keeps its traceback.

@@ -32,7 +32,7 @@ import torch
 from ako.config import ConfigError, TrainConfig
 from ako.data import fetch
 from ako.metrics import write_atomic
-from ako.runtime.job import Job
+from ako.run.job import Job
 
 
 def measure_seconds_per_sample(

@@ -6,9 +6,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -20,57 +18,28 @@ from ako.config import TrainConfig
 from ako.data import ShardSampler, fetch
 from ako.metrics import MetricsLog
 from ako.replica import Replica
-from ako.runtime.consensus import ReplicaExchange, consensus_distance
+from ako.run.consensus import ReplicaExchange, consensus_distance
 
 _SNAPSHOT_BYTES = 256 << 20
 _CALL_AHEAD = 0.2  # seconds of steps between calling for a checkpoint and taking it: the call must arrive first
 
 
-class Clock:
-    """Training seconds: wall time since `begin`, less the time spent in `paused` blocks
-    (evaluations), so time-to-accuracy counts training only."""
-
-    def __init__(self):
-        self.start = time.perf_counter()
-        self.paused = 0.0
-        self.stopped: float | None = None
-        self.pausing: float | None = None  # when the current pause began
-
-    def begin(self, already: float = 0.0, wall: float | None = None) -> None:
-        """Start counting, from `already` training seconds and `wall` wall seconds (a resumed
-        run's so far; `wall` defaults to `already`)."""
-        wall = already if wall is None else wall
-        self.start, self.paused, self.stopped = time.perf_counter() - wall, wall - already, None
-
-    def stop(self) -> None:
-        """Freeze the clock at the end of training (later evaluations do not move it)."""
-        self.stopped = time.perf_counter()
-
-    def wall(self) -> float:
-        return (self.stopped or time.perf_counter()) - self.start
+class Clock(Protocol):
+    """Training seconds as a runtime counts them: `runtime.distributed.runtime.WallClock` (wall
+    time less evaluation pauses) or `runtime.simulated.runtime.SimClock` (virtual time)."""
 
     def now(self) -> float:
-        """Training seconds; inside a pause, as at its start."""
-        if self.pausing is not None and self.stopped is None:
-            return self.pausing - self.start - self.paused
-        return self.wall() - self.paused
+        """Seconds of training so far."""
 
-    @contextmanager
+    def wall(self) -> float:
+        """Seconds since training began, pauses included."""
+
     def pause(self):
-        if self.pausing is not None:  # nested: the outer pause counts
-            yield
-            return
-        self.pausing = time.perf_counter()
-        try:
-            yield
-        finally:
-            if self.stopped is None:
-                self.paused += time.perf_counter() - self.pausing
-            self.pausing = None
+        """A context manager: time inside it is not training (evaluations, checkpoints)."""
 
 
 class Checkpointer(Protocol):
-    """What `WorkerState` needs from a runtime to take checkpoints (`ako.runtime.checkpoint`)."""
+    """What `WorkerState` needs from a runtime to take checkpoints (`ako.runtime.distributed.checkpoint`)."""
 
     every: float  # seconds of training between checkpoints
 
@@ -105,7 +74,7 @@ class WorkerState:
 
     With `consensus` (decentralised strategies), every worker hands rank 0 a copy of its
     replica at the same steps, and rank 0's records also hold the consensus distance of the
-    replicas and the test loss and accuracy of their average (see `ako.runtime.consensus`).
+    replicas and the test loss and accuracy of their average (see `ako.run.consensus`).
 
     With a `checkpointer`, rank 0 calls for a checkpoint every `checkpointer.every` seconds of
     training, at a step a little ahead, and each worker saves when it gets there (the runtime

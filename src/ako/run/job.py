@@ -16,7 +16,6 @@ from torch import nn
 
 from ako.config import ConfigError, TrainConfig
 from ako.data import DataError, load_dataset
-from ako.runtime import checkpoint
 from ako.models import build_model
 from ako.replica import OptimizerConfig, Replica
 from ako.strategies import STRATEGIES, Strategy
@@ -72,9 +71,10 @@ class Job:
         c = self.config
         return Replica(model.to(device), OptimizerConfig(c.lr, c.momentum, c.nesterov, c.weight_decay))
 
-    def check(self) -> Data:
-        """Everything that can fail before processes start; returns the loaded data.
-        Raises ConfigError or DataError with a one-line message."""
+    def check(self) -> tuple[Data, int]:
+        """Everything about the job itself that can fail before processes start; returns the
+        loaded data and the model's parameter count. Raises ConfigError or DataError with a
+        one-line message."""
         data = self.load_data()
         try:
             replica = self.build_replica(data, torch.device("cpu"))
@@ -86,9 +86,7 @@ class Job:
             ) from None
         self.validate(data, replica.numel)
         check_out_dir(self.config.out_dir)
-        if self.config.resume is not None:
-            checkpoint.find(self.config.resume, self.identity(replica.numel), self.config.workers)
-        return data
+        return data, replica.numel
 
     def identity(self, numel: int) -> dict:
         """What a checkpoint must agree with for this job to resume from it."""

@@ -25,32 +25,24 @@ for bit, as event order depends only on virtual times and the order events were 
 
 from __future__ import annotations
 
-import math
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import simpy
 import torch
 
-from ako.data import fetch
-from ako.runtime.consensus import SharedReplicas
-from ako.runtime.costs import Costs, Network, SharedHost
-from ako.metrics import MetricsLog, write_summary
-from ako.runtime.distributed import WorkerResult, _open_run_dir, _report
-from ako.runtime.job import Job
-from ako.runtime.worker import WorkerState
-from ako.strategies import ServerContext, WorkerContext
+from ako.runtime.base import compute, compute_partial, drive
+from ako.runtime.simulated.costs import Costs, Network, SharedHost
+from ako.run.worker import WorkerState
 from ako.strategies.ops import (
     AllReduce,
     Compute,
     ComputePartial,
-    Gradient,
     Lost,
     MeasureBandwidth,
     MeasureStep,
     Message,
-    PartialGradient,
     Poll,
     Publish,
     Pull,
@@ -64,7 +56,7 @@ _SNAPSHOT = -10  # tag of the answers to `Pull`, the runtime's own
 
 
 class SimClock:
-    """`worker.Clock` on virtual time: seconds since the start of the simulation, frozen by
+    """`ako.run.worker.Clock` on virtual time: seconds since the start of the simulation, frozen by
     `stop`. `pause` takes no virtual time; it tallies the real seconds spent in it
     (evaluations) in `paused_real`."""
 
@@ -169,24 +161,20 @@ class SimulatedRuntime:
         self.env.process(self._drive(self.nodes[rank], program(ctx)))
 
     def _drive(self, node: Node, gen):
-        result = None
-        while True:
-            try:
-                op = gen.send(result)
-            except StopIteration as done:
-                node.facts = done.value or {}
-                node.clock.stop()
-                return
-            result = yield from self.execute(node, op)
+        node.facts = yield from drive(gen, lambda op: self.execute(node, op))
+        node.clock.stop()
 
     def execute(self, node: Node, op):
         """Carry out one operation for `node` (a SimPy sub-process: `yield from` it); returns
         its result. Operations that take no virtual time return without yielding."""
         match op:
             case Compute():
-                return (yield from self.compute(node))
+                return (yield from compute(node.state, lambda x, y, slow: self._gradient(node, x, y, slow)))
             case ComputePartial(micro_batch, stop_tag, iteration):
-                return (yield from self.compute_partial(node, micro_batch, stop_tag, iteration))
+                return (yield from compute_partial(
+                    node.state, lambda x, y, slow: self._gradient(node, x, y, slow),
+                    lambda tag, it: any(m.step == it for m in node.take_all(tag)), micro_batch, stop_tag, iteration,
+                ))  # fmt: skip
             case Send(tensor, dst, tag, step, aux):
                 self.send(node.rank, dst, Message(node.rank, tag, step, aux, tensor))
                 return None
@@ -215,40 +203,13 @@ class SimulatedRuntime:
                 return self.costs.bandwidth
         raise TypeError(f"unknown operation {op!r}")
 
-    def compute(self, node: Node):
-        """Real gradient of the next mini-batch now; then hold for the modelled compute time."""
-        state = node.state
-        x, y = state.next_batch()
-        slow = state.slowdown.factor() if state.slowdown.active else 1.0
-        loss = self._gradient(state, x, y)
-        state.computed(loss)
-        yield from self._busy(node, len(y), slow)
-        return Gradient(state.replica.grad, loss, len(y))
-
-    def compute_partial(self, node: Node, micro_batch: int, stop_tag: int, iteration: int):
-        """A-BSP's interruptible computation (`ops.ComputePartial`), one micro-batch at a time
-        in virtual time, as `DistributedRuntime.compute_partial` does in real time."""
-        state = node.state
-        indices, since = state.next_assignment()
-        slow = state.slowdown.factor() if state.slowdown.active else 1.0
-        grad_sum = torch.zeros_like(state.replica.grad)
-        done, loss_sum = 0, 0.0
-        for chunk in indices.split(micro_batch):
-            if done and any(m.step == iteration for m in node.take_all(stop_tag)):
-                break
-            x, y = fetch(state.train_set, chunk)
-            loss_sum += self._gradient(state, x, y) * len(y)
-            grad_sum.add_(state.replica.grad, alpha=len(y))
-            done += len(y)
-            yield from self._busy(node, len(y), slow)
-        oldest = state.processed(indices, since, done)
-        state.computed(loss_sum / done)
-        return PartialGradient(grad_sum, loss_sum / done, done, indices, oldest)
-
-    def _gradient(self, state: WorkerState, x: torch.Tensor, y: torch.Tensor) -> float:
+    def _gradient(self, node: Node, x: torch.Tensor, y: torch.Tensor, slow: float):
+        """Real gradient of one batch now, into `node`'s replica; then hold `node` for the
+        modelled compute time. Returns the loss."""
         t = time.perf_counter()
-        loss = state.replica.compute_gradient(x, y)
+        loss = node.state.replica.compute_gradient(x, y)
         self.forward_backward += time.perf_counter() - t
+        yield from self._busy(node, len(y), slow)
         return loss
 
     def _busy(self, node: Node, samples: int, slow: float):
@@ -391,103 +352,3 @@ class SimulatedRuntime:
             "uplink_utilisation": round(min(1.0, nic.up_busy / span), 4),
             "downlink_utilisation": round(min(1.0, nic.down_busy / span), 4),
         }
-
-
-
-def simulate_job(job: Job, costs: Costs) -> tuple[dict, list[WorkerResult]]:
-    """Run `job` on a simulated cluster of `job.config.workers` workers (and `servers`), costed
-    by `costs`. Writes the run directory and prints the summary as `ako train` does, with time
-    in virtual seconds, plus the simulator's own figures (`simulation` in the summary).
-    Returns (summary, one WorkerResult per worker, by rank). Raises ConfigError or DataError
-    for bad input and RuntimeError when the strategy deadlocks."""
-    started = time.perf_counter()
-    data = job.load_data()
-    model = "custom" if job.model_fn is not None else job.config.model
-    job = replace(job, config=replace(job.config, dataset=data.name, model=model))
-    config, strategy = job.config, job.strategy
-    n, world = config.workers, config.workers + (config.servers or 0)
-    cpu = torch.device("cpu")
-    replicas = [job.build_replica(data, cpu) for _ in range(world)]
-    job.validate(data, replicas[0].numel)
-    env = simpy.Environment()
-    runtime = SimulatedRuntime(env, costs, world, n, config.batch_size)
-    run_dir = _open_run_dir(config, strategy.name, data)
-    servers = list(range(n, world))
-    copies: dict = {}  # the replicas' copies at evaluation points, for the consensus distance
-    for rank in range(world):
-        node, replica = runtime.nodes[rank], replicas[rank]
-        if rank < n:
-            log = MetricsLog(run_dir / "metrics.jsonl") if rank == 0 else None
-            node.state = WorkerState(
-                config, rank, n, data.train, data.test, replica, node.clock, log,
-                lambda r=rank: runtime.traffic(r), lambda r=rank: runtime.request_stop(r),
-                SharedReplicas(copies, rank, n) if strategy.decentralised else None,
-            )  # fmt: skip
-            runtime.start(rank, strategy.worker, WorkerContext(rank, n, replica, config, node.state.should_stop, servers))
-        else:
-            runtime.start(rank, strategy.server, ServerContext(rank, rank - n, servers, list(range(n)), replica, config))
-    runtime.run()
-    end = env.now
-    reports = [runtime.report(rank, end) for rank in range(world)]
-    facts = runtime.nodes[0].facts
-    finals = [r.params for r in replicas[:n]] if strategy.decentralised else []
-    summary = _report(job, data, runtime.nodes[0].state, reports, finals, facts, [], run_dir)
-    summary["simulation"] = _simulation_facts(runtime, costs, reports, end, time.perf_counter() - started)
-    write_summary(run_dir, summary)
-    print(format_simulation(summary["simulation"]), flush=True)
-    workers = [WorkerResult(r, replicas[r].params.clone(), runtime.nodes[r].facts) for r in range(n)]
-    workers[0].summary = summary
-    return summary, workers
-
-
-def _simulation_facts(runtime: SimulatedRuntime, costs: Costs, reports: list[dict], end: float, real: float) -> dict:
-    """The simulator's own figures: cost constants, virtual and real seconds, where the real
-    time went, and per-role means of the time accounts."""
-    evaluating = runtime.nodes[0].clock.paused_real
-    workers = [r for r in reports if r["role"] == "worker"]
-
-    def mean(key):
-        return round(sum(w[key] for w in workers) / len(workers), 6)
-
-    return {
-        "seconds_per_sample": costs.seconds_per_sample,
-        "shared_host_seconds_per_sample": list(costs.shared),
-        "bandwidth_bytes_per_second": None if math.isinf(costs.bandwidth) else costs.bandwidth,
-        "latency_seconds": costs.latency,
-        "virtual_seconds": end,  # when the last program ended
-        "rank0_seconds": runtime.nodes[0].clock.now(),  # train_seconds, unrounded
-        "real_seconds": round(real, 3),
-        "forward_backward_seconds": round(runtime.forward_backward, 3),
-        "evaluation_seconds": round(evaluating, 3),
-        "not_forward_backward_share": round(1 - runtime.forward_backward / max(real, 1e-9), 4),
-        "worker_compute_seconds_mean": mean("compute_seconds"),
-        "worker_idle_seconds_mean": mean("idle_seconds"),
-        "worker_communication_seconds_mean": mean("communication_seconds"),
-        "servers": [
-            {k: r[k] for k in ("rank", "downlink_utilisation", "uplink_utilisation")} for r in reports if r["role"] == "server"
-        ],
-    }
-
-
-def _compute(s: dict) -> str:
-    shared = s["shared_host_seconds_per_sample"]
-    if not shared:
-        return f"{s['seconds_per_sample'] * 1e3:.4g} ms/sample"
-    return "one shared host, " + "/".join(f"{t * 1e3:.3g}" for t in shared) + f" ms/sample with 1..{len(shared)} computing"
-
-
-def format_simulation(s: dict) -> str:
-    """The simulator's lines printed after the run summary."""
-    bandwidth = "free" if s["bandwidth_bytes_per_second"] is None else f"{s['bandwidth_bytes_per_second'] * 8 / 1e9:g} Gbit/s"
-    return "\n".join([
-        f"  simulated        {s['virtual_seconds']:.2f} virtual s in {s['real_seconds']:.1f} real s "
-        f"({s['forward_backward_seconds']:.1f} s forward/backward, {s['evaluation_seconds']:.1f} s evaluating, "
-        f"{s['not_forward_backward_share']:.0%} not forward/backward)",
-        f"  cost model       {_compute(s)}, links {bandwidth}, latency {s['latency_seconds'] * 1e6:g} us",
-        f"  worker time      compute {s['worker_compute_seconds_mean']:.2f} s, idle {s['worker_idle_seconds_mean']:.2f} s, "
-        f"communication {s['worker_communication_seconds_mean']:.2f} s (means; per worker and each server's NIC "
-        "utilisation in summary.json)",
-    ] + [
-        f"  server rank {r['rank']:<4} NIC utilisation: downlink {r['downlink_utilisation']:.0%}, uplink {r['uplink_utilisation']:.0%}"
-        for r in s["servers"]
-    ])  # fmt: skip

@@ -1,0 +1,86 @@
+"""What both runtimes share: the loop that drives a strategy program, and a worker's computation.
+
+A strategy program is a generator of operations (`ako.strategies.ops`). A runtime carries each
+one out with its `execute(op)`, itself a generator: the simulator yields the SimPy events it
+waits on (virtual time passes), while the distributed runtime blocks in real time and never
+yields. `drive` is the one loop between the two; `run_blocking` runs it on real processes.
+
+`compute` and `compute_partial` are a worker's computation, written once. A runtime gives them
+`gradient(x, y, slow)`, a generator that computes the real gradient of one batch into the
+replica's buffer and lets the batch's time pass (a straggler's `slow` times more), and, for
+A-BSP, `told_to_stop(tag, iteration)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+
+import torch
+
+from ako.data import fetch
+from ako.strategies.ops import Gradient, PartialGradient, PeerLost
+
+GradientFn = Callable[[torch.Tensor, torch.Tensor, float], Generator]
+
+
+def drive(program: Generator, execute: Callable[[object], Generator]) -> Generator:
+    """Run `program` to its end, carrying out each operation it yields with `execute`; returns
+    the program's facts (its return value, or {}). A `PeerLost` from `execute` is thrown into
+    the program at the operation that met it, so that it may carry on without the peer."""
+    result, lost = None, None
+    while True:
+        try:
+            op = program.send(result) if lost is None else program.throw(lost)
+        except StopIteration as done:
+            return done.value or {}
+        try:
+            result, lost = (yield from execute(op)), None
+        except PeerLost as e:
+            result, lost = None, e
+
+
+def run_blocking(gen: Generator):
+    """The return value of `gen`, a `drive` whose operations all block instead of yielding."""
+    try:
+        next(gen)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("an operation of a blocking runtime yielded")
+
+
+def straggler_factor(state) -> float:
+    """How many times slower than its compute this worker is at this step (1 unless a
+    straggler; `ako.cluster.Slowdown`)."""
+    return state.slowdown.factor() if state.slowdown.active else 1.0
+
+
+def compute(state, gradient: GradientFn) -> Generator:
+    """`ops.Compute`: forward and backward on the worker's next mini-batch. Returns a
+    `Gradient` whose `grad` (numel,) is the replica's buffer."""
+    x, y = state.next_batch()
+    loss = yield from gradient(x, y, straggler_factor(state))
+    state.computed(loss)
+    return Gradient(state.replica.grad, loss, len(y))
+
+
+def compute_partial(
+    state, gradient: GradientFn, told_to_stop: Callable[[int, int], bool], micro_batch: int, stop_tag: int, iteration: int
+) -> Generator:  # fmt: skip
+    """`ops.ComputePartial`, A-BSP's interruptible computation (Wang et al. 2018, section 3):
+    the assignment micro-batch by micro-batch, stopping before the next one once a message
+    `stop_tag` for `iteration` has come. Returns a `PartialGradient` of the sum (numel,) of the
+    per-sample gradients done; the samples not done wait for the next iteration."""
+    indices, since = state.next_assignment()
+    slow = straggler_factor(state)
+    grad_sum = torch.zeros_like(state.replica.grad)
+    done, loss_sum = 0, 0.0
+    for chunk in indices.split(micro_batch):
+        if done and told_to_stop(stop_tag, iteration):
+            break
+        x, y = fetch(state.train_set, chunk)
+        loss_sum += (yield from gradient(x, y, slow)) * len(y)
+        grad_sum.add_(state.replica.grad, alpha=len(y))
+        done += len(y)
+    oldest = state.processed(indices, since, done)
+    state.computed(loss_sum / done)
+    return PartialGradient(grad_sum, loss_sum / done, done, indices, oldest)

@@ -1,0 +1,215 @@
+"""One process of a distributed job: join the process group, build the replica, run the
+strategy program on a `DistributedRuntime`, and (rank 0) report.
+
+`run_worker` is what every worker process runs, whether started by `launcher` on one machine
+or by `torchrun` across machines: it joins the process group from the environment torch's
+elastic agent sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ako.config import ConfigError, to_toml
+from ako.metrics import MetricsLog, write_atomic
+from ako.run.job import Job
+from ako.run.outcome import WorkerResult, open_run_dir, report
+from ako.run.worker import WorkerState
+from ako.runtime.distributed import checkpoint
+from ako.runtime.distributed.mailbox import comm_error
+from ako.runtime.distributed.replicas import MailboxReplicas
+from ako.runtime.distributed.runtime import DistributedRuntime
+from ako.strategies import ServerContext, WorkerContext
+
+
+def join_process_group(timeout: float, backend: str) -> tuple[int, int, dist.Store]:
+    """Join the job's process group from the elastic agent's environment; returns (rank, world,
+    the agent's store: shared by every restart attempt).
+
+    Each restart attempt uses its own key prefix in the agent's store: Gloo would otherwise
+    read the previous attempt's stale addresses (engine-facts.md, torchrun --max-restarts).
+    """
+    world = _environment("WORLD_SIZE", 1, 1 << 20)
+    rank = _environment("RANK", 0, world - 1)
+    attempt = _environment("TORCHELASTIC_RESTART_COUNT", 0, 1 << 20, default="0")
+    port = _environment("MASTER_PORT", 1, 65535)
+    store = _connect_store(os.environ.get("MASTER_ADDR", "localhost"), port, world, timeout)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"ako/attempt{attempt}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout),
+    )
+    return rank, world, store
+
+
+def _environment(name: str, low: int, high: int, default: str | None = None) -> int:
+    """An integer the elastic agent sets in the environment. Raises ConfigError, naming it."""
+    text = os.environ.get(name, default)
+    if text is None or not text.strip().isdigit() or not low <= int(text) <= high:
+        raise ConfigError(f"environment variable {name}={text!r}: must be an integer from {low} to {high} (torchrun sets it)")
+    return int(text)
+
+
+def _connect_store(host: str, port: int, world: int, timeout: float) -> dist.Store:
+    """The agent's TCPStore, as a client, within `timeout` seconds. The store's own timeout
+    does not cover its handshake: a port held by something else that accepts the connection
+    and never answers would block for ever, so the connection is made on a daemon thread."""
+    result: list = []
+
+    def connect():
+        try:
+            result.append(dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=timeout)))
+        except Exception as e:  # noqa: BLE001 - handed to the caller below
+            result.append(e)
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    wait = 2 * timeout + 10  # the store's own retries first: their message says more
+    thread.join(wait)
+    if not result:
+        raise RuntimeError(f"no answer from the store at {host}:{port} within {wait:.0f} s (is something else on that port?)")
+    if isinstance(result[0], Exception):
+        raise result[0]
+    return result[0]
+
+
+
+def pick_device(backend: str) -> tuple[str, torch.device]:
+    """(process-group backend, device): NCCL and this process's GPU when CUDA is present and the
+    backend is auto or nccl; otherwise Gloo on the CPU. Raises RuntimeError for nccl without CUDA."""
+    if backend != "gloo" and torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        # collectives on CUDA tensors go to NCCL, the runtime's small CPU ones to Gloo
+        return "cpu:gloo,cuda:nccl", torch.device("cuda", local)
+    if backend == "nccl":
+        raise RuntimeError("backend nccl needs CUDA, and torch.cuda.is_available() is false here")
+    return "gloo", torch.device("cpu")
+
+
+def name_process(name: str) -> None:
+    """Show `name` as this process's name in ps and top (Linux), so ranks can be told apart."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME
+
+
+def run_worker(job: Job) -> WorkerResult:
+    """Run as one process of the job whose group the elastic agent's (or launcher's)
+    environment describes: ranks below `config.workers` are workers, the rest servers."""
+    torch.set_num_threads(1)  # one thread per worker process: more oversubscribes the cores
+    config = job.config
+    backend, device = pick_device(config.backend)
+    try:
+        rank, world, store = join_process_group(config.timeout, backend)
+    except (RuntimeError, dist.DistError) as e:
+        raise RuntimeError(f"the workers did not all join within {config.timeout:g} s: {comm_error(e)}") from None
+    servers = config.servers or 0
+    if world <= servers:
+        raise ConfigError(f"servers {servers}: the world size {world} leaves no workers")
+    name_process(f"ako-{'rank' if rank < world - servers else 'server'}{rank}")
+    result, lost = _train(replace(job, config=replace(config, workers=world - servers)), rank, world, device, store)
+    # Only after success with every peer alive: a receive thread may be blocked on a stuck or
+    # dead peer, and destroying the group under it could wait for ever; the process exits instead.
+    if not lost:
+        dist.destroy_process_group()
+    return result
+
+
+def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.Store) -> tuple[WorkerResult, bool]:
+    data = job.load_data()
+    # what the run really used: the data set `auto` chose, the user's own model or data
+    model = "custom" if job.model_fn is not None else job.config.model
+    job = replace(job, config=replace(job.config, dataset=data.name, model=model))
+    config, strategy = job.config, job.strategy
+    n = config.workers
+    replica = job.build_replica(data, device)
+    job.validate(data, replica.numel)
+    try:
+        runtime = DistributedRuntime(rank, world, config.timeout, device, strategy.survives_loss)
+        runtime.broadcast(replica.params)  # identical replicas, whatever the model factory did
+    except (RuntimeError, dist.DistError) as e:
+        raise RuntimeError(f"the workers did not all get ready within {config.timeout:g} s: {comm_error(e)}") from None
+    identity = job.identity(replica.numel)  # what checkpoints of this run must agree with
+    run_dir, point = _run_dir(job, data, rank, store, runtime, identity)
+    log = MetricsLog(run_dir / "metrics.jsonl") if rank == 0 else None
+    saved = checkpoint.load(run_dir, point, rank) if point is not None else None
+    if saved is not None:
+        checkpoint.check(saved, identity, str(checkpoint.path(run_dir, point, rank)), contents=True)
+    checkpointer = None
+    if config.checkpoint_every is not None:
+        runtime.run_dir, runtime.every, runtime.identity = run_dir, config.checkpoint_seconds, identity
+        checkpointer = runtime
+    servers = list(range(n, world))
+    if rank < n:
+        replicas = MailboxReplicas(runtime.mailbox, n) if strategy.decentralised else None
+        state = WorkerState(
+            config, rank, n, data.train, data.test, replica, runtime.clock, log, runtime.bytes_moved,
+            runtime.request_stop, replicas, checkpointer,
+        )  # fmt: skip
+        program = strategy.worker
+        ctx = WorkerContext(rank, n, replica, config, state.should_stop, servers, point or 0)
+    else:
+        state, program = None, strategy.server
+        restored = saved["shard"] if saved is not None else None
+        ctx = ServerContext(rank, rank - n, servers, list(range(n)), replica, config, restored, runtime.on_update)
+    runtime.state = state
+    if saved is not None:
+        runtime.restore(saved)
+        if log is not None:
+            log.resume(state.resumed[1])
+    runtime.barrier()  # start the clocks together
+    if state is not None:
+        runtime.clock.begin(state.resumed[1], state.resumed_wall)
+    else:
+        runtime.clock.begin()
+    facts = runtime.run(program, ctx, state)
+    runtime.clock.stop()
+    final = replica.params if strategy.decentralised and state is not None else None
+    reports, finals = runtime.finish(facts, final)
+    runtime.close()
+    summary = None
+    if rank == 0:
+        lost = sorted(runtime.mailbox.lost)
+        summary = report(job, data, state, reports, finals, facts, lost, run_dir, resumed=point)
+    return WorkerResult(rank, replica.params.cpu().clone(), facts, summary), bool(runtime.mailbox.lost)
+
+
+def _run_dir(job: Job, data, rank: int, store: dist.Store, runtime: DistributedRuntime, identity: dict):
+    """(run directory, step of the checkpoint to resume from or None), the same on every rank.
+
+    Rank 0 decides: `config.resume`'s latest complete checkpoint; under a `torchrun` restart,
+    the first attempt's run directory (found in the agent's store) and its latest complete
+    checkpoint, if any; else a new run directory. The others learn the directory from the
+    store (when they need it: checkpoints or a resume) and the step by broadcast."""
+    config = job.config
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    key = "ako/run_dir"
+    if rank == 0:
+        if config.resume is not None:
+            run_dir, point = Path(config.resume), checkpoint.find(config.resume, identity, config.workers)
+        elif attempt > 0 and store.check([key]):
+            run_dir = Path(store.get(key).decode())
+            point = checkpoint.latest(run_dir, identity["world"])
+        else:
+            run_dir, point = open_run_dir(config, job.strategy.name, data), None
+        if point is not None:  # checkpoints after `point` belong to the abandoned run: drop them
+            checkpoint.drop_after(run_dir, point)
+            write_atomic(run_dir / "config.toml", to_toml(replace(config, resume=None)))
+            print(f"ako: resuming {run_dir} from its checkpoint at step {point}", file=sys.stderr, flush=True)
+        store.set(key, str(run_dir))
+    found = runtime.broadcast(torch.tensor([-1 if rank != 0 or point is None else point]))
+    point = None if found.item() < 0 else int(found.item())
+    if rank != 0:
+        run_dir = Path(store.get(key).decode()) if point is not None or config.checkpoint_every else None
+    return run_dir, point

@@ -1,0 +1,368 @@
+"""The distributed runtime: carries out a strategy program's operations for one process (a
+worker or a server) on torch.distributed (Gloo on CPU, NCCL on GPU), in real time.
+
+Messages go through the `Mailbox` (its own Gloo group, a receive thread per peer), collectives
+through torch.distributed itself; every wait is bounded by the job's timeout. The process
+around it (joining the group, the run directory, the report) is `process.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ako.data import fetch
+from ako.run.worker import WorkerState
+from ako.runtime.base import compute, compute_partial, drive, run_blocking
+from ako.runtime.distributed import checkpoint
+from ako.runtime.distributed.mailbox import CHECKPOINT, FINAL, PROBE, PULL, REPORT, SNAPSHOT, STOP, Mailbox, comm_error
+from ako.strategies.ops import (
+    AllReduce,
+    Compute,
+    ComputePartial,
+    Lost,
+    MeasureBandwidth,
+    MeasureStep,
+    PeerLost,
+    Poll,
+    Publish,
+    Pull,
+    Recv,
+    Send,
+    Snapshot,
+    Wait,
+)
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_PROBE_BYTES = 4 << 20
+
+
+
+class WallClock:
+    """`ako.run.worker.Clock` on real time. Training seconds: wall time since `begin`, less the time spent in `paused` blocks
+    (evaluations), so time-to-accuracy counts training only."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.paused = 0.0
+        self.stopped: float | None = None
+        self.pausing: float | None = None  # when the current pause began
+
+    def begin(self, already: float = 0.0, wall: float | None = None) -> None:
+        """Start counting, from `already` training seconds and `wall` wall seconds (a resumed
+        run's so far; `wall` defaults to `already`)."""
+        wall = already if wall is None else wall
+        self.start, self.paused, self.stopped = time.perf_counter() - wall, wall - already, None
+
+    def stop(self) -> None:
+        """Freeze the clock at the end of training (later evaluations do not move it)."""
+        self.stopped = time.perf_counter()
+
+    def wall(self) -> float:
+        return (self.stopped or time.perf_counter()) - self.start
+
+    def now(self) -> float:
+        """Training seconds; inside a pause, as at its start."""
+        if self.pausing is not None and self.stopped is None:
+            return self.pausing - self.start - self.paused
+        return self.wall() - self.paused
+
+    @contextmanager
+    def pause(self):
+        if self.pausing is not None:  # nested: the outer pause counts
+            yield
+            return
+        self.pausing = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.stopped is None:
+                self.paused += time.perf_counter() - self.pausing
+            self.pausing = None
+
+
+class DistributedRuntime:
+    """Carries out a strategy program's operations for this process (a worker or a server).
+
+    `timeout` bounds every wait (seconds). The mailbox runs on a process group of its own.
+    With `survives_loss`, a dead peer is not an error: `Poll` leaves it out, a `Send` to it is
+    dropped, and only a `Recv` that waits on it (or on anyone, when every peer is dead) fails.
+    """
+
+    def __init__(self, rank: int, world_size: int, timeout: float, device: torch.device, survives_loss: bool = False):
+        self.rank, self.world_size, self.timeout, self.device = rank, world_size, timeout, device
+        self.survives_loss = survives_loss
+        self.collective_bytes = 0  # as a ring all-reduce moves them: 2 (n-1)/n x bytes each way
+        self.bytes_before = (0, 0)  # (sent, received) before a resumed run's checkpoint
+        self.state: WorkerState | None = None
+        self.clock = WallClock()
+        # checkpoints (`ako.runtime.distributed.checkpoint`): where, how often, what must match, when next
+        self.run_dir: Path | None = None
+        self.every = math.inf
+        self.identity: dict = {}
+        self.checkpoint_at: int | None = None
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        peers = [r for r in range(world_size) if r != rank]
+        self.mailbox = Mailbox(rank, peers, group, timeout, self._stop_requested, self._checkpoint_called)
+
+    def _stop_requested(self) -> None:
+        if self.state is not None:
+            self.state.stop_requested = True
+
+    def _checkpoint_called(self, point: int) -> None:
+        self.checkpoint_at = point
+        if self.state is not None:
+            self.state.checkpoint_at = point
+
+    def announce(self, point: int) -> None:
+        """Rank 0: tell every other rank to save its part of the checkpoint at step `point`."""
+        for peer in self.mailbox.peers:
+            if peer not in self.mailbox.lost:
+                self.mailbox.send(torch.empty(0), peer, CHECKPOINT, step=point, drop_lost=True)
+
+    def save(self, point: int, shard=None) -> None:
+        """Save this rank's part of the checkpoint at step `point`: a worker's replica and
+        place in the run, or a server's `shard`."""
+        if self.state is not None:
+            replica = self.state.replica
+            own = {
+                "role": "worker",
+                "params": replica.params.detach().cpu().clone(),
+                "optimizer": replica.optimizer.state_dict(),
+                "worker": self.state.state_dict(),
+            }
+        else:
+            own = {"role": "server", "shard": shard.state_dict()}
+        state = {**self.identity, **own, "bytes": list(self.bytes_moved())}
+        checkpoint.save(self.run_dir, point, self.rank, self.world_size, state)
+
+    def on_update(self, shard) -> None:
+        """A server's shard was updated: save it if a checkpoint is due at its version."""
+        if self.checkpoint_at is not None and shard.version >= self.checkpoint_at:
+            point, self.checkpoint_at = self.checkpoint_at, None
+            self.save(point, shard)
+
+    def restore(self, state: dict) -> None:
+        """Continue from this rank's part of a checkpoint (a worker's; a server's shard is
+        restored by its program, from `ServerContext.restored`)."""
+        self.bytes_before = tuple(int(b) for b in state["bytes"])
+        if self.state is not None:
+            replica = self.state.replica
+            replica.params.copy_(state["params"])
+            replica.optimizer.load_state_dict(state["optimizer"])
+            self.state.load_state_dict(state["worker"])
+
+    def request_stop(self) -> None:
+        """Tell every peer to stop (rank 0 reached the target accuracy)."""
+        for peer in self.mailbox.peers:
+            if peer not in self.mailbox.lost:
+                self.mailbox.send(torch.empty(0), peer, STOP)
+
+    def bytes_moved(self) -> tuple[int, int]:
+        """(sent, received) bytes so far, payloads plus collectives."""
+        c, (sent, received) = self.collective_bytes, self.bytes_before
+        return sent + self.mailbox.bytes_sent + c, received + self.mailbox.bytes_received + c
+
+    def run(self, program, ctx, state: WorkerState | None) -> dict:
+        """Drive the generator `program(ctx)` to its end (`base.drive`); returns its facts.
+        `state` is None for a server (it computes nothing)."""
+        self.state = state
+        return run_blocking(drive(program(ctx), self.execute))
+
+    def execute(self, op):
+        """Carry out one operation of `ako.strategies.ops` and return its result (a generator,
+        as `base.drive` wants, that never yields: every wait blocks, within `timeout`)."""
+        match op:
+            case Compute():
+                return (yield from compute(self.state, self._gradient))
+            case ComputePartial(micro_batch, stop_tag, iteration):
+                return (yield from compute_partial(self.state, self._gradient, self._told_to_stop, micro_batch, stop_tag, iteration))
+            case Send(tensor, dst, tag, step, aux):
+                if not (self.survives_loss and dst in self.mailbox.lost):
+                    self.mailbox.send(tensor.cpu(), dst, tag, step, aux, drop_lost=self.survives_loss)
+                return None
+            case Recv(tag, src):
+                return self._to_device(self.receive(tag, src))
+            case Poll(tag):
+                return [self._to_device(m) for m in self.mailbox.poll(tag, tolerant=self.survives_loss)]
+            case Lost():
+                with self.mailbox.cond:
+                    self.mailbox.told.update(self.mailbox.lost)
+                    return frozenset(self.mailbox.lost)
+            case Publish(tensor, step):
+                self.mailbox.publish(tensor.detach().to("cpu", copy=True), step)
+                return None
+            case Pull(src):
+                return self.pull(src)
+            case AllReduce(tensor, reduce, wait):
+                return self.all_reduce(tensor, reduce, wait=wait)
+            case Wait(handle):
+                return self._wait(handle)
+            case MeasureStep():
+                return self.measure_step()
+            case MeasureBandwidth():
+                return self.measure_bandwidth()
+        raise TypeError(f"unknown operation {op!r}")
+
+    def receive(self, tag: int, src: int | None):
+        """`ops.Recv`. A strategy that survives losses carries on without a peer that stays
+        silent for the timeout while it waits on that peer (stopped or stuck): it is lost."""
+        try:
+            return self.mailbox.get(tag, src, self.timeout, tolerant=self.survives_loss)
+        except TimeoutError:
+            if not (self.survives_loss and src is not None):
+                raise
+            reason = f"silent for {self.timeout:g} s (stopped or stuck)"
+            with self.mailbox.cond:
+                self.mailbox.lost.setdefault(src, reason)
+                self.mailbox.told.add(src)
+            raise PeerLost(src, reason) from None
+
+    def pull(self, src: int) -> Snapshot:
+        """Request `src`'s published snapshot and wait for it (see `ops.Pull`)."""
+        if src in self.mailbox.lost:
+            raise PeerLost(src, self.mailbox.lost[src])
+        self.mailbox.send(torch.empty(0), src, PULL, drop_lost=self.survives_loss)
+        message = self.mailbox.get(SNAPSHOT, src, self.timeout)
+        return Snapshot(src, message.step, message.tensor.to(self.device))
+
+    def _told_to_stop(self, tag: int, iteration: int) -> bool:
+        messages = self.mailbox.poll(tag, tolerant=self.survives_loss)
+        return any(m.step == iteration for m in messages)
+
+    def _gradient(self, x: torch.Tensor, y: torch.Tensor, slow: float):
+        """Gradient of one batch into the replica's buffer; a straggler then waits (slow - 1)
+        times the compute time it took (the cluster model of docs/design.md). Returns the loss."""
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        start = time.perf_counter()
+        loss = self.state.replica.compute_gradient(x, y)
+        if slow > 1.0:
+            time.sleep((slow - 1.0) * (time.perf_counter() - start))
+        return loss
+        yield  # a generator that never yields: `base.compute` lets time pass here
+
+    def _to_device(self, message):
+        if message.tensor.device == self.device:
+            return message
+        return replace(message, tensor=message.tensor.to(self.device))
+
+    def all_reduce(self, tensor: torch.Tensor, reduce: str = "sum", count: bool = True, wait: bool = True):
+        """In-place all-reduce with a deadline of `timeout` seconds; `count` adds its bytes to
+        the traffic counters (not for the runtime's own barriers). With `wait=False` returns a
+        handle for `_wait` at once (Gloo runs the collective on its own threads)."""
+        try:
+            work = dist.all_reduce(tensor, op=_REDUCE_OPS[reduce], async_op=True)
+        except RuntimeError as e:
+            raise RuntimeError(f"all-reduce failed, a worker is gone or stuck: {comm_error(e)}") from None
+        if count:
+            n = self.world_size
+            self.collective_bytes += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n
+        return self._wait((work, tensor)) if wait else (work, tensor)
+
+    def _wait(self, handle) -> torch.Tensor:
+        work, tensor = handle
+        try:
+            work.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            raise RuntimeError(f"all-reduce failed, a worker is gone or stuck: {comm_error(e)}") from None
+        return tensor
+
+    def barrier(self) -> None:
+        """Wait until every worker gets here (at most `timeout` seconds)."""
+        self.all_reduce(torch.zeros(1), count=False)
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Copy rank `src`'s `tensor` into every worker's, in place (deadline `timeout`)."""
+        dist.broadcast(tensor, src, async_op=True).wait(timedelta(seconds=self.timeout))
+        return tensor
+
+    def measure_step(self, repeats: int = 3) -> float:
+        """Median seconds of forward+backward on one mini-batch (after one warm-up); the
+        replica's parameters are not changed."""
+        state = self.state
+        x, y = fetch(state.train_set, torch.arange(state.config.batch_size))
+        x, y = x.to(self.device), y.to(self.device)
+        state.replica.compute_gradient(x, y)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            state.replica.compute_gradient(x, y)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    def measure_bandwidth(self, repeats: int = 3) -> float:
+        """Bytes per second of this worker's link, from a ring probe: every worker sends 4 MB to
+        the next rank and receives from the previous one at the same time. Best of `repeats`."""
+        n = self.world_size
+        if n == 1:
+            return float("inf")
+        probe = torch.zeros(_PROBE_BYTES // 4)
+        best = 0.0
+        for _ in range(repeats):
+            self.barrier()  # start together
+            t = time.perf_counter()
+            self.mailbox.send(probe, (self.rank + 1) % n, PROBE)
+            self.mailbox.get(PROBE, (self.rank - 1) % n, self.timeout)
+            best = max(best, _PROBE_BYTES / (time.perf_counter() - t))
+        return best
+
+    def finish(self, facts: dict, params: torch.Tensor | None) -> tuple[list[dict], list[torch.Tensor]]:
+        """After training: every rank reports to rank 0 by message (no collective, so a dead
+        peer cannot block it) its role, steps, samples, bytes and scalar facts, and, when
+        `params` is given (decentralised strategies), its final parameters (numel,).
+
+        Returns, on rank 0, one report per live rank (by rank) and the live workers' parameters;
+        elsewhere ([], []). Ranks that died are in `self.mailbox.lost`."""
+        report = self._own_report(facts)
+        if self.rank != 0:
+            self.mailbox.send(_encode(report), 0, REPORT)
+            if params is not None:
+                self.mailbox.send(params.cpu(), 0, FINAL)
+            return [], []
+        reports, finals = [report], [] if params is None else [params.cpu()]
+        for peer in self.mailbox.peers:
+            try:
+                report = _decode(self.mailbox.get(REPORT, peer, self.timeout).tensor)
+                if params is not None and report["role"] == "worker":
+                    finals.append(self.mailbox.get(FINAL, peer, self.timeout).tensor)
+                reports.append(report)  # after its final: reports and finals stay in step
+            except PeerLost:
+                if not self.survives_loss:
+                    raise
+        return reports, finals
+
+    def _own_report(self, facts: dict) -> dict:
+        state = self.state
+        sent, received = self.bytes_moved()
+        scalars = {k: v for k, v in facts.items() if isinstance(v, (str, int, float, bool))}
+        return {
+            **scalars,
+            "rank": self.rank,
+            "role": "worker" if state is not None else "server",
+            "steps": state.step if state is not None else 0,
+            "samples": state.samples if state is not None else 0,
+            "bytes_sent": sent,
+            "bytes_received": received,
+        }
+
+    def close(self) -> None:
+        """Say goodbye to every peer and wait for theirs (at most `timeout` seconds)."""
+        self.mailbox.close(self.timeout)
+
+
+def _encode(report: dict) -> torch.Tensor:
+    """A report as a uint8 tensor of its JSON text (nothing received is ever unpickled)."""
+    return torch.tensor(list(json.dumps(report).encode()), dtype=torch.uint8)
+
+
+def _decode(tensor: torch.Tensor) -> dict:
+    return json.loads(bytes(tensor.tolist()).decode())

@@ -1,0 +1,139 @@
+"""`ako simulate`: a job on a simulated cluster, from the data and replicas to the summary.
+
+Every rank's program runs on one `SimulatedRuntime`; the run directory, the summary and its
+evaluations are the distributed runtime's (`ako.run.outcome`), with time in virtual seconds,
+plus the simulator's own figures (`simulation` in the summary).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+
+import simpy
+import torch
+
+from ako.metrics import MetricsLog, write_summary
+from ako.run.job import Job
+from ako.run.outcome import WorkerResult, open_run_dir, report
+from ako.run.worker import WorkerState
+from ako.runtime.simulated.costs import Costs
+from ako.runtime.simulated.runtime import SimulatedRuntime
+from ako.strategies import ServerContext, WorkerContext
+
+
+class SharedReplicas:
+    """`ReplicaExchange` within one process (the simulated runtime): worker `rank` puts its
+    copies into `table` (point -> rank -> replica), which all `workers` workers share."""
+
+    def __init__(self, table: dict[int, dict[int, torch.Tensor]], rank: int, workers: int):
+        self.table, self.rank, self.peers = table, rank, range(1, workers)
+
+    def report_replica(self, point: int, params: torch.Tensor) -> None:
+        self.table.setdefault(point, {})[self.rank] = params.detach().clone()
+
+    def peer_replicas(self, point: int, final: bool) -> list[torch.Tensor] | None:
+        got = self.table.get(point, {})
+        if not final and any(p not in got for p in self.peers):
+            return None
+        return [replica for _, replica in sorted(self.table.pop(point, {}).items())]
+
+
+def simulate_job(job: Job, costs: Costs) -> tuple[dict, list[WorkerResult]]:
+    """Run `job` on a simulated cluster of `job.config.workers` workers (and `servers`), costed
+    by `costs`. Writes the run directory and prints the summary as `ako train` does, with time
+    in virtual seconds, plus the simulator's own figures (`simulation` in the summary).
+    Returns (summary, one WorkerResult per worker, by rank). Raises ConfigError or DataError
+    for bad input and RuntimeError when the strategy deadlocks."""
+    started = time.perf_counter()
+    data = job.load_data()
+    model = "custom" if job.model_fn is not None else job.config.model
+    job = replace(job, config=replace(job.config, dataset=data.name, model=model))
+    config, strategy = job.config, job.strategy
+    n, world = config.workers, config.workers + (config.servers or 0)
+    cpu = torch.device("cpu")
+    replicas = [job.build_replica(data, cpu) for _ in range(world)]
+    job.validate(data, replicas[0].numel)
+    env = simpy.Environment()
+    runtime = SimulatedRuntime(env, costs, world, n, config.batch_size)
+    run_dir = open_run_dir(config, strategy.name, data)
+    servers = list(range(n, world))
+    copies: dict = {}  # the replicas' copies at evaluation points, for the consensus distance
+    for rank in range(world):
+        node, replica = runtime.nodes[rank], replicas[rank]
+        if rank < n:
+            log = MetricsLog(run_dir / "metrics.jsonl") if rank == 0 else None
+            node.state = WorkerState(
+                config, rank, n, data.train, data.test, replica, node.clock, log,
+                lambda r=rank: runtime.traffic(r), lambda r=rank: runtime.request_stop(r),
+                SharedReplicas(copies, rank, n) if strategy.decentralised else None,
+            )  # fmt: skip
+            runtime.start(rank, strategy.worker, WorkerContext(rank, n, replica, config, node.state.should_stop, servers))
+        else:
+            runtime.start(rank, strategy.server, ServerContext(rank, rank - n, servers, list(range(n)), replica, config))
+    runtime.run()
+    end = env.now
+    reports = [runtime.report(rank, end) for rank in range(world)]
+    facts = runtime.nodes[0].facts
+    finals = [r.params for r in replicas[:n]] if strategy.decentralised else []
+    summary = report(job, data, runtime.nodes[0].state, reports, finals, facts, [], run_dir)
+    summary["simulation"] = _simulation_facts(runtime, costs, reports, end, time.perf_counter() - started)
+    write_summary(run_dir, summary)
+    print(format_simulation(summary["simulation"]), flush=True)
+    workers = [WorkerResult(r, replicas[r].params.clone(), runtime.nodes[r].facts) for r in range(n)]
+    workers[0].summary = summary
+    return summary, workers
+
+
+def _simulation_facts(runtime: SimulatedRuntime, costs: Costs, reports: list[dict], end: float, real: float) -> dict:
+    """The simulator's own figures: cost constants, virtual and real seconds, where the real
+    time went, and per-role means of the time accounts."""
+    evaluating = runtime.nodes[0].clock.paused_real
+    workers = [r for r in reports if r["role"] == "worker"]
+
+    def mean(key):
+        return round(sum(w[key] for w in workers) / len(workers), 6)
+
+    return {
+        "seconds_per_sample": costs.seconds_per_sample,
+        "shared_host_seconds_per_sample": list(costs.shared),
+        "bandwidth_bytes_per_second": None if math.isinf(costs.bandwidth) else costs.bandwidth,
+        "latency_seconds": costs.latency,
+        "virtual_seconds": end,  # when the last program ended
+        "rank0_seconds": runtime.nodes[0].clock.now(),  # train_seconds, unrounded
+        "real_seconds": round(real, 3),
+        "forward_backward_seconds": round(runtime.forward_backward, 3),
+        "evaluation_seconds": round(evaluating, 3),
+        "not_forward_backward_share": round(1 - runtime.forward_backward / max(real, 1e-9), 4),
+        "worker_compute_seconds_mean": mean("compute_seconds"),
+        "worker_idle_seconds_mean": mean("idle_seconds"),
+        "worker_communication_seconds_mean": mean("communication_seconds"),
+        "servers": [
+            {k: r[k] for k in ("rank", "downlink_utilisation", "uplink_utilisation")} for r in reports if r["role"] == "server"
+        ],
+    }
+
+
+def _compute(s: dict) -> str:
+    shared = s["shared_host_seconds_per_sample"]
+    if not shared:
+        return f"{s['seconds_per_sample'] * 1e3:.4g} ms/sample"
+    return "one shared host, " + "/".join(f"{t * 1e3:.3g}" for t in shared) + f" ms/sample with 1..{len(shared)} computing"
+
+
+def format_simulation(s: dict) -> str:
+    """The simulator's lines printed after the run summary."""
+    bandwidth = "free" if s["bandwidth_bytes_per_second"] is None else f"{s['bandwidth_bytes_per_second'] * 8 / 1e9:g} Gbit/s"
+    return "\n".join([
+        f"  simulated        {s['virtual_seconds']:.2f} virtual s in {s['real_seconds']:.1f} real s "
+        f"({s['forward_backward_seconds']:.1f} s forward/backward, {s['evaluation_seconds']:.1f} s evaluating, "
+        f"{s['not_forward_backward_share']:.0%} not forward/backward)",
+        f"  cost model       {_compute(s)}, links {bandwidth}, latency {s['latency_seconds'] * 1e6:g} us",
+        f"  worker time      compute {s['worker_compute_seconds_mean']:.2f} s, idle {s['worker_idle_seconds_mean']:.2f} s, "
+        f"communication {s['worker_communication_seconds_mean']:.2f} s (means; per worker and each server's NIC "
+        "utilisation in summary.json)",
+    ] + [
+        f"  server rank {r['rank']:<4} NIC utilisation: downlink {r['downlink_utilisation']:.0%}, uplink {r['uplink_utilisation']:.0%}"
+        for r in s["servers"]
+    ])  # fmt: skip
