@@ -98,7 +98,7 @@ def _perturbed_lr0(ctx):
     return {**facts, "initial": initial}
 
 
-GOSSIP_LR0 = Strategy("gossip", _perturbed_lr0, decentralised=True, survives_loss=True)
+GOSSIP_LR0 = Strategy(name="gossip", worker=_perturbed_lr0, replicas_differ=True, survives_loss=True)
 
 
 class _Star:
@@ -115,7 +115,7 @@ def _star_pull(ctx):
     return (yield from gossip.pull(ctx, _Star(ctx.rank)))
 
 
-STAR_PULL = Strategy("gossip", _star_pull, decentralised=True, survives_loss=True)
+STAR_PULL = Strategy(name="gossip", worker=_star_pull, replicas_differ=True, survives_loss=True)
 
 
 def _late_publisher(ctx):
@@ -134,7 +134,7 @@ def _late_publisher(ctx):
     return {"pulled": snapshot.tensor, "pulled_step": snapshot.step}
 
 
-LATE_PUBLISHER = Strategy("gossip", _late_publisher, decentralised=True, survives_loss=True)
+LATE_PUBLISHER = Strategy(name="gossip", worker=_late_publisher, replicas_differ=True, survives_loss=True)
 
 
 class recorded:

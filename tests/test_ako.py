@@ -18,6 +18,7 @@ from ako.strategies import STRATEGIES, Strategy
 from ako.strategies import ako as ako_strategy
 from ako.strategies.ops import Message
 from ako.strategies.partition import partition_bounds
+from ako.strategies.tags import AKO_WINDOW
 from helpers import RECORDED_AKO, single_process_sgd, small_config
 
 EXCHANGES = ["all-to-all", "ring"]
@@ -103,7 +104,7 @@ def _lr0(ctx):
     return (yield from ako_strategy.worker(ctx))
 
 
-AKO_LR0 = Strategy("ako", _lr0, decentralised=True, check=ako_strategy.check)
+AKO_LR0 = Strategy(name="ako", worker=_lr0, replicas_differ=True, check=ako_strategy.check)
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
@@ -158,7 +159,7 @@ def test_the_ledger_never_holds_more_than_the_staleness_bound_allows(tmp_path, m
 
 
 def _window(src: int, step: int, part: int, value: float) -> Message:
-    return Message(src, ako_strategy.TAG, step, part, torch.full((2,), value))
+    return Message(src, AKO_WINDOW, step, part, torch.full((2,), value))
 
 
 def test_a_lost_peer_leaves_nothing_waited_on():
@@ -180,7 +181,7 @@ def test_a_lost_peer_leaves_nothing_waited_on():
         ledger.settle(up_to=t)
     assert not ledger.own  # every own window settled by both peers
     ledger.sent(1 << 62, 0, 4, torch.zeros(4))
-    ledger.add(Message(1, ako_strategy.TAG, 3, ako_strategy.FLUSH, torch.zeros(4)))
+    ledger.add(Message(1, AKO_WINDOW, 3, ako_strategy.FLUSH, torch.zeros(4)))
     ledger.settle(up_to=1 << 62)
     assert ledger.all_flushed() and not ledger.own and not ledger.pending
     expected = torch.tensor([1 + 3 + 100 + 300 + 10, 0, 2 + 200, 0])[[0, 0, 2, 2]] / 3

@@ -82,7 +82,7 @@ BAD_INPUT = [
     (["--strategy", "bsp", "--micro-batch", "8"], "micro_batch '8': strategy bsp has no such option (it is for absp)"),
     (["--strategy", "easgd", "--tau", "0"], "tau '0': must be an integer >= 1"),
     (["--strategy", "easgd", "--beta", "1.5"], "beta '1.5': must be a number >= 0 and <= 1"),
-    (["--strategy", "asp", "--tau", "2"], "tau '2': strategy asp has no such option (it is for easgd, gossip)"),
+    (["--strategy", "asp", "--tau", "2"], "tau '2': strategy asp has no such option (it is for gossip, easgd)"),
     (["--straggler", "rank=1"], "straggler 'rank=1': expected rank=R,factor=K or prob=P,factor=K"),
     (["--straggler", "rank=1,prob=0.5,factor=2"], "straggler 'rank=1,prob=0.5,factor=2': expected rank=R,factor=K"),
     (["--straggler", "rank=x,factor=2"], "straggler 'rank=x,factor=2': expected rank=R,factor=K"),

@@ -14,9 +14,9 @@ from ako.data import ShardSampler, fetch, load_dataset
 from ako.models import build_model
 from ako.replica import OptimizerConfig, Replica
 from ako.runtime.distributed import checkpoint
-from ako.strategies import STRATEGIES, paramserver
+from ako.strategies import STRATEGIES, tags
 from ako.strategies.ops import Compute, ComputePartial, Recv, Send
-from ako.strategies.ssp import WARMUP_CLOCKS
+from ako.strategies.ps.ssp import WARMUP_CLOCKS
 from helpers import recorded, single_process_sgd, small_config
 
 
@@ -74,7 +74,7 @@ def _record_absp(op, result, log):
         log.setdefault("assignments", []).append(result.indices.clone())
         log.setdefault("processed", []).append(result.samples)
         log.setdefault("sums", []).append(result.grad_sum.clone())
-    elif isinstance(op, Recv) and op.tag == paramserver.PULL:
+    elif isinstance(op, Recv) and op.tag == tags.PS_PARAMS:
         log.setdefault("pulled", []).append(result.tensor.clone())
 
 
@@ -122,7 +122,7 @@ def test_absp_uses_skipped_samples_within_two_iterations_and_applies_sum_over_co
 def _record_clocks(op, result, log):
     if isinstance(op, Compute):
         log.setdefault("starts", []).append(time.monotonic())
-    elif isinstance(op, Send) and op.tag == paramserver.PUSH:
+    elif isinstance(op, Send) and op.tag == tags.PS_PUSH:
         pushes = log.setdefault("pushes", [])
         if len(pushes) == op.step:  # the first server's push of this clock
             pushes.append(time.monotonic())
@@ -205,7 +205,7 @@ def test_a_resume_continues_from_the_workers_momentum(tmp_path, strategy):
 def test_only_pushes_staler_than_a_round_are_damped():
     """min(1, n / (staleness + 1)): n = 8 workers taking turns push with staleness up to 7 at
     full weight; a straggler's push 31 updates old counts a quarter."""
-    from ako.strategies.ssp import staleness_scale
+    from ako.strategies.ps.ssp import staleness_scale
 
     assert [staleness_scale(8, s) for s in (0, 7, 15, 31)] == [1.0, 1.0, 0.5, 0.25]
     assert staleness_scale(1, 0) == 1.0

@@ -5,6 +5,7 @@ registry entry (`ako.strategies.base.Option`) checks its own options."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 
 class ConfigError(ValueError):
@@ -53,3 +54,31 @@ def number(name, value, low, high=math.inf, low_open=False, high_open=False) -> 
     if not math.isfinite(result) or below or above:
         raise ConfigError(f"{name} {show(value)}: {allowed}")
     return result
+
+
+@dataclass(frozen=True)
+class Integer:
+    """An option's check (`ako.strategies.base.Option.check`): an integer in [low, high], or
+    also the text "auto" when `auto`. A class, not a lambda, so that strategies pickle."""
+
+    name: str
+    low: int
+    high: int | None = None
+    auto: bool = False
+
+    def __call__(self, value, config=None):
+        if self.auto and value == "auto":
+            return value
+        return integer(self.name, value, self.low, self.high, hint=" or 'auto'" if self.auto else "")
+
+
+@dataclass(frozen=True)
+class Number:
+    """An option's check: a finite number in [low, high]."""
+
+    name: str
+    low: float
+    high: float
+
+    def __call__(self, value, config=None):
+        return number(self.name, value, self.low, self.high)

@@ -9,6 +9,7 @@ import signal
 import sys
 
 from ako.config import FIELDS, STRATEGIES, ConfigError, TrainConfig, load_toml, validate
+from ako.strategies import STRATEGIES as REGISTRY
 
 EXIT_BAD_INPUT, EXIT_FAILED = 2, 1
 
@@ -18,6 +19,18 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise ConfigError(message)
+
+
+def _strategy_flags() -> dict:
+    """The flags of the strategies' own options, each with the help of every strategy that
+    declares it (`ako.strategies.base.Option`), in registry order."""
+    helps: dict[str, dict[str, list[str]]] = {}
+    for name, strategy in REGISTRY.items():
+        for option in strategy.options:
+            helps.setdefault(option.name, {}).setdefault(option.help, []).append(name)
+    flags = {name: "; ".join(f"{', '.join(users)}: {text}" for text, users in by_help.items()) for name, by_help in helps.items()}
+    flags["bandwidth"] += "; simulate: every node's up- and downlink rate, for every strategy (default: free)"
+    return {name: (text, {}) for name, text in flags.items()}
 
 
 # flag -> (help, argparse keywords); every flag maps to the TrainConfig field of the same name
@@ -38,22 +51,7 @@ _FLAGS = {
     "max_time": ("stop after this many seconds of training", {}),
     "target_accuracy": ("stop when rank 0's test accuracy reaches this fraction, e.g. 0.85", {}),
     "eval_every": ("evaluate every this many epochs", {}),
-    "partitions": ("ako: number of gradient partitions p, or auto (the link budget's, at most 4)", {}),
-    "exchange": ("ako: all-to-all (every peer gets each window), ring (an all-reduce of each window), or auto "
-                 "(ring from 8 workers on, or where all-to-all would not fit the link)", {}),
-    "staleness": ("ako: staleness bound s (0 = lock-step; default 1); ssp: s (default 2)", {}),
-    "bandwidth": (
-        "ako and easgd auto: link budget, e.g. 1Gbit or 100MB (default: measured); simulate: every node's up- "
-        "and downlink rate, for every strategy (default: free)",
-        {},
-    ),
-    "servers": ("bsp, asp, ssp, absp, easgd: parameter-server processes beside the workers (default 1)", {}),
-    "micro_batch": ("absp: samples per interruptible micro-batch (default batch-size / 4)", {}),
-    "tau": ("easgd: steps between elastic averaging rounds, or auto (its servers' links allow; the default); "
-            "gossip: steps between gossip rounds (default 1)", {}),
-    "beta": ("easgd: moving rate beta; elastic alpha = beta / workers", {}),
-    "gossip": ("gossip: pull (average with a peer's snapshot) or push-sum", {}),
-    "peers": ("gossip: random (uniform) or rotating (one partner per round, hypercube order)", {}),
+    **_strategy_flags(),
     "straggler": (
         "slow a worker: rank=R,factor=K (always) or prob=P,factor=K (any worker, per step); repeatable",
         {"action": "append"},
@@ -163,6 +161,9 @@ def cmd_info() -> int:
     from ako.models import MODELS
 
     print(f"strategies: {', '.join(STRATEGIES)}")
+    for name, strategy in REGISTRY.items():
+        options = ", ".join("--" + o.name.replace("_", "-") for o in strategy.options)
+        print(f"  {name:<10} {strategy.paper}" + (f"; options {options}" if options else ""))
     print(f"models:     {', '.join(MODELS)}")
     for name in DATASETS:
         if name in ("fashion-mnist", "mnist"):

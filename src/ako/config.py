@@ -17,38 +17,18 @@ from dataclasses import dataclass, fields
 import tomli_w
 import torch
 
+from ako.checks import ConfigError, choice, integer, number, show
 from ako.cluster import ClusterError, check_stragglers
 from ako.data.datasets import DATASETS
 from ako.models import MODELS
+from ako.strategies import STRATEGIES as REGISTRY
 
-PARAMETER_SERVER = ("bsp", "asp", "ssp", "absp", "easgd")
-STRATEGIES = ("ako", "allreduce", "gossip", *PARAMETER_SERVER)
-# settings that only some strategies use, with their defaults: setting one for another
-# strategy is a mistake worth an error
-STRATEGY_OPTIONS = {
-    "partitions": ("auto", ("ako",)),
-    "exchange": ("auto", ("ako",)),
-    "staleness": (None, ("ako", "ssp")),
-    "bandwidth": (None, ("ako", "easgd")),
-    "servers": (None, PARAMETER_SERVER),
-    "micro_batch": (None, ("absp",)),
-    "tau": (None, ("easgd", "gossip")),
-    "gossip": ("pull", ("gossip",)),
-    "peers": ("random", ("gossip",)),
-    "beta": (0.9, ("easgd",)),
-}
+STRATEGIES = tuple(REGISTRY)
+PARAMETER_SERVER = tuple(name for name, s in REGISTRY.items() if s.server is not None)
 # settings only the simulated runtime takes (`ako train` rejects them)
 SIMULATE_OPTIONS = ("latency", "seconds_per_sample", "profile")
 TRAIN_OPTIONS = ("checkpoint_every", "resume")  # `ako train` only: the simulator does not fail
-SSP_STALENESS = 2  # ssp's bound when none is given
-GOSSIP_MODES = ("pull", "push-sum")
-AKO_EXCHANGES = ("auto", "all-to-all", "ring")
-PEER_SELECTIONS = ("random", "rotating")
 BACKENDS = ("auto", "gloo", "nccl")
-
-
-class ConfigError(ValueError):
-    """Bad configuration; the message is one line naming the value and what is allowed."""
 
 
 @dataclass
@@ -187,6 +167,16 @@ def load_toml(path: str | os.PathLike) -> dict:
     return data
 
 
+def option_users() -> dict[str, tuple[str, ...]]:
+    """Each strategy option's name, with the strategies that declare it (registry order).
+    Setting one for another strategy is a mistake worth an error."""
+    users: dict[str, tuple[str, ...]] = {}
+    for name, strategy in REGISTRY.items():
+        for option in strategy.options:
+            users[option.name] = users.get(option.name, ()) + (name,)
+    return users
+
+
 def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
     """Check every field's type and range; return the config with values normalised
     (e.g. partitions "3" -> 3). `simulated`: for `ako simulate`, which takes SIMULATE_OPTIONS
@@ -196,77 +186,60 @@ def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
     _validate_simulation(c, simulated)
     for name in ("strategy", "dataset", "model", "backend", "out_dir"):
         if not isinstance(getattr(c, name), str) or not getattr(c, name):
-            raise ConfigError(f"{name} {_show(getattr(c, name))}: must be a non-empty string")
+            raise ConfigError(f"{name} {show(getattr(c, name))}: must be a non-empty string")
     if c.data_dir is not None and not isinstance(c.data_dir, str):
-        raise ConfigError(f"data_dir {_show(c.data_dir)}: must be a directory path")
-    _choice("strategy", c.strategy, STRATEGIES)
-    _choice("model", c.model, MODELS)
-    _choice("data set", c.dataset, DATASETS)
-    _choice("backend", c.backend, BACKENDS)
-    _choice("gossip", c.gossip, GOSSIP_MODES)
-    _choice("peers", c.peers, PEER_SELECTIONS)
-    _choice("exchange", c.exchange, AKO_EXCHANGES)
+        raise ConfigError(f"data_dir {show(c.data_dir)}: must be a directory path")
+    choice("strategy", c.strategy, STRATEGIES)
+    choice("model", c.model, MODELS)
+    choice("data set", c.dataset, DATASETS)
+    choice("backend", c.backend, BACKENDS)
+    for option in {o.name: o for s in REGISTRY.values() for o in s.options if o.choices}.values():
+        choice(option.name, getattr(c, option.name), option.choices)
     if c.backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is false here: use gloo")
-    for name, (default, users) in STRATEGY_OPTIONS.items():
+    for name, users in option_users().items():
         if name == "bandwidth" and simulated:
             continue  # the simulator's link rate, for every strategy
-        if c.strategy not in users and getattr(c, name) != default:
+        if c.strategy not in users and getattr(c, name) != FIELDS[name].default:
             raise ConfigError(
-                f"{name} {_show(getattr(c, name))}: strategy {c.strategy} has no such option "
+                f"{name} {show(getattr(c, name))}: strategy {c.strategy} has no such option "
                 f"(it is for {', '.join(users)})"
             )
-    c.workers = _integer("workers", c.workers, low=1, high=4096)
-    c.batch_size = _integer("batch_size", c.batch_size, low=1)
-    c.seed = _integer("seed", c.seed, low=0, high=2**63 - 1)
+    c.workers = integer("workers", c.workers, low=1, high=4096)
+    c.batch_size = integer("batch_size", c.batch_size, low=1)
+    c.seed = integer("seed", c.seed, low=0, high=2**63 - 1)
     for name in ("train_samples", "test_samples"):
         if getattr(c, name) is not None:
-            setattr(c, name, _integer(name, getattr(c, name), low=1))
-    c.lr = _number("lr", c.lr, low=0.0, high=1000.0, low_open=True)
-    c.momentum = _number("momentum", c.momentum, low=0.0, high=1.0, high_open=True)
-    c.weight_decay = _number("weight_decay", c.weight_decay, low=0.0, high=1.0)
-    c.epochs = _number("epochs", c.epochs, low=0.0, high=1e6, low_open=True)
-    c.eval_every = _number("eval_every", c.eval_every, low=0.0, high=1e6, low_open=True)
-    c.timeout = _number("timeout", c.timeout, low=1.0, high=86400.0)
+            setattr(c, name, integer(name, getattr(c, name), low=1))
+    c.lr = number("lr", c.lr, low=0.0, high=1000.0, low_open=True)
+    c.momentum = number("momentum", c.momentum, low=0.0, high=1.0, high_open=True)
+    c.weight_decay = number("weight_decay", c.weight_decay, low=0.0, high=1.0)
+    c.epochs = number("epochs", c.epochs, low=0.0, high=1e6, low_open=True)
+    c.eval_every = number("eval_every", c.eval_every, low=0.0, high=1e6, low_open=True)
+    c.timeout = number("timeout", c.timeout, low=1.0, high=86400.0)
     if c.max_time is not None:
-        c.max_time = _number("max_time", c.max_time, low=0.0, high=1e9, low_open=True)
+        c.max_time = number("max_time", c.max_time, low=0.0, high=1e9, low_open=True)
     if c.target_accuracy is not None:
-        c.target_accuracy = _number("target_accuracy", c.target_accuracy, low=0.0, high=1.0, low_open=True)
-    if c.staleness is not None:
-        c.staleness = _integer("staleness", c.staleness, low=0, high=1000)
-    if c.partitions != "auto":
-        c.partitions = _integer("partitions", c.partitions, low=1, hint=" or 'auto'")
+        c.target_accuracy = number("target_accuracy", c.target_accuracy, low=0.0, high=1.0, low_open=True)
     if c.bandwidth is not None:
         c.bandwidth = str(c.bandwidth)
         parse_bandwidth(c.bandwidth)
     _validate_cluster(c)
     if not isinstance(c.nesterov, bool):
-        raise ConfigError(f"nesterov {_show(c.nesterov)}: must be true or false")
+        raise ConfigError(f"nesterov {show(c.nesterov)}: must be true or false")
     if c.progress is not None and not isinstance(c.progress, bool):
-        raise ConfigError(f"progress {_show(c.progress)}: must be true or false")
+        raise ConfigError(f"progress {show(c.progress)}: must be true or false")
     return c
 
 
 def _validate_cluster(c: TrainConfig) -> None:
-    """Servers, stragglers and the parameter-server strategies' own settings."""
-    if c.strategy in PARAMETER_SERVER:
-        c.servers = _integer("servers", 1 if c.servers is None else c.servers, low=1, high=1024)
-    if c.strategy == "ssp" and c.staleness is None:
-        c.staleness = SSP_STALENESS
-    if c.strategy == "absp":
-        default = max(1, c.batch_size // 4)
-        c.micro_batch = _integer("micro_batch", default if c.micro_batch is None else c.micro_batch, low=1)
-        if c.micro_batch > c.batch_size:
-            raise ConfigError(f"micro_batch {c.micro_batch}: must be at most batch_size {c.batch_size}")
-    if c.strategy == "easgd" and c.tau in (None, "auto"):
-        c.tau = "auto"
-    elif c.strategy in ("easgd", "gossip"):
-        hint = " or 'auto'" if c.strategy == "easgd" else ""
-        c.tau = _integer("tau", 1 if c.tau is None else c.tau, low=1, high=1_000_000, hint=hint)
-    c.beta = _number("beta", c.beta, low=0.0, high=1.0)
+    """The strategy's own options (defaulted and checked as its registry entry says) and the
+    stragglers."""
+    for option in REGISTRY[c.strategy].options:
+        setattr(c, option.name, option.resolve(c))
     texts = [c.straggler] if isinstance(c.straggler, str) else c.straggler
     if not isinstance(texts, (list, tuple)):
-        raise ConfigError(f"straggler {_show(c.straggler)}: must be a list of texts like 'rank=1,factor=3'")
+        raise ConfigError(f"straggler {show(c.straggler)}: must be a list of texts like 'rank=1,factor=3'")
     try:
         c.straggler = check_stragglers(texts, c.workers)
     except ClusterError as e:
@@ -278,64 +251,24 @@ def _validate_simulation(c: TrainConfig, simulated: bool) -> None:
     the other way round for the train-only ones."""
     for name in TRAIN_OPTIONS if simulated else ():
         if getattr(c, name) is not None:
-            raise ConfigError(f"{name} {_show(getattr(c, name))}: only `ako train` takes it")
+            raise ConfigError(f"{name} {show(getattr(c, name))}: only `ako train` takes it")
     if not simulated:
         if c.checkpoint_every is not None:
             c.checkpoint_every = str(c.checkpoint_every)
             parse_duration(c.checkpoint_every)
         if c.resume is not None and not isinstance(c.resume, str):
-            raise ConfigError(f"resume {_show(c.resume)}: must be a run directory")
+            raise ConfigError(f"resume {show(c.resume)}: must be a run directory")
         for name in SIMULATE_OPTIONS:
             if getattr(c, name) is not None:
-                raise ConfigError(f"{name} {_show(getattr(c, name))}: only `ako simulate` takes it")
+                raise ConfigError(f"{name} {show(getattr(c, name))}: only `ako simulate` takes it")
         return
     if c.latency is not None:
         c.latency = str(c.latency)
         parse_latency(c.latency)
     if c.seconds_per_sample is not None:
-        c.seconds_per_sample = _number("seconds_per_sample", c.seconds_per_sample, low=0.0, high=1e3)
+        c.seconds_per_sample = number("seconds_per_sample", c.seconds_per_sample, low=0.0, high=1e3)
     if c.profile is not None and not isinstance(c.profile, str):
-        raise ConfigError(f"profile {_show(c.profile)}: must be a file path")
-
-
-def _choice(what: str, value: str, allowed) -> None:
-    if value not in allowed:
-        raise ConfigError(f"unknown {what} {value!r}: choose one of {', '.join(allowed)}")
-
-
-def _show(value) -> str:
-    """A value as the user wrote it: true/false for booleans, quoted strings."""
-    return str(value).lower() if isinstance(value, bool) else repr(value)
-
-
-def _integer(name: str, value, low: int, high: int | None = None, hint: str = "") -> int:
-    allowed = f"must be an integer >= {low}" + ("" if high is None else f" and <= {high}") + hint
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ConfigError(f"{name} {_show(value)}: {allowed}")
-    try:
-        number = int(value)
-    except ValueError:
-        raise ConfigError(f"{name} {_show(value)}: {allowed}") from None
-    if number < low or (high is not None and number > high):
-        raise ConfigError(f"{name} {_show(value)}: {allowed}")
-    return number
-
-
-def _number(name, value, low, high=math.inf, low_open=False, high_open=False) -> float:
-    lo = f"> {low:g}" if low_open else f">= {low:g}"
-    hi = "" if high == math.inf else (f" and < {high:g}" if high_open else f" and <= {high:g}")
-    allowed = f"must be a number {lo}{hi}"
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ConfigError(f"{name} {_show(value)}: {allowed}")
-    try:
-        number = float(value)
-    except ValueError:
-        raise ConfigError(f"{name} {_show(value)}: {allowed}") from None
-    below = number <= low if low_open else number < low
-    above = number >= high if high_open else number > high
-    if not math.isfinite(number) or below or above:
-        raise ConfigError(f"{name} {_show(value)}: {allowed}")
-    return number
+        raise ConfigError(f"profile {show(c.profile)}: must be a file path")
 
 
 def to_toml(config: TrainConfig) -> str:

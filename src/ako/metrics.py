@@ -95,7 +95,7 @@ def format_summary(s: dict) -> str:
         f"of training{paused}",
         f"  test accuracy    {acc}",
         f"  time to accuracy {tta}" + ("" if target is None else f"  (target {target:.0%})"),
-        *_decentralised_lines(s),
+        *_replica_lines(s),
         f"  throughput       {s['samples_per_second']:.0f} samples/s; samples per worker "
         + " / ".join(str(w["samples"]) for w in s["per_worker"]),
         f"  sent per worker  {s['bytes_sent_per_worker_per_second'] / 1e6:.2f} MB/s "
@@ -143,7 +143,7 @@ def _milestone_text(times: dict) -> str:
     return ", ".join(f"{float(k):.0%}: {'not reached' if v is None else f'{v:.1f} s'}" for k, v in times.items())
 
 
-def _decentralised_lines(s: dict) -> list[str]:
+def _replica_lines(s: dict) -> list[str]:
     """The average's time to accuracy, the final consensus distance, gossip's settings."""
     lines = []
     if s.get("average_time_to_accuracy"):

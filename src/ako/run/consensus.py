@@ -1,4 +1,5 @@
-"""Consensus distance: how far apart the replicas of a decentralised strategy are.
+"""Consensus distance: how far apart the replicas are, where a strategy lets them differ
+(Ako, gossip, EASGD).
 
 How it is measured over time (`ReplicaExchange`: over the mailbox on real processes,
 `runtime.distributed.replicas`; a shared table in the simulator). Evaluation point k is every worker's step

@@ -61,7 +61,7 @@ def report(
     resumed: int | None = None,
 ) -> dict:  # fmt: skip
     """Rank 0, after training: evaluate, write summary.json, print the summary. `finals`: the
-    live workers' final replicas (decentralised strategies), in the order of their reports;
+    live workers' final replicas (where replicas differ), in the order of their reports;
     their average is weighted by each worker's `average_weight` fact when it has one. `facts`:
     rank 0's program's; its `centre` is the model a strategy with a centre variable reports, and
     its `unflushed` rank 0's replica before a final flush (Ako), each (numel,) when present. `resumed`: the step of the checkpoint the run resumed from, if any."""

@@ -72,7 +72,7 @@ class WorkerState:
     workers) and makes `should_stop` true. Without one, snapshots are evaluated after training,
     so evaluation never slows training down.
 
-    With `consensus` (decentralised strategies), every worker hands rank 0 a copy of its
+    With `consensus` (strategies whose replicas differ), every worker hands rank 0 a copy of its
     replica at the same steps, and rank 0's records also hold the consensus distance of the
     replicas and the test loss and accuracy of their average (see `ako.run.consensus`).
 
@@ -281,7 +281,7 @@ class WorkerState:
 
     def consensus_record(self, replicas: list[torch.Tensor], weights: list[float] | None = None) -> dict:
         """How many replicas, their consensus distance, and the test loss and accuracy of their
-        (weighted) average: the fields a decentralised strategy's records add."""
+        (weighted) average: the fields the records add where replicas differ."""
         stacked = torch.stack([r.to(self.replica.params.device) for r in replicas])
         distance, average = consensus_distance(stacked, weights)
         loss, accuracy = self.replica.evaluate_params(average, self.test_set)

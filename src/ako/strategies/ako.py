@@ -45,16 +45,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ako.config import ConfigError
+from ako.checks import ConfigError, Integer
+from ako.strategies.base import Option, Strategy
 from ako.strategies.ops import AllReduce, Compute, MeasureBandwidth, MeasureStep, Message, PeerLost, Poll, Recv, Send, Wait
 from ako.strategies.partition import auto_partitions, partition_bounds
+from ako.strategies.tags import AKO_WINDOW
 
-TAG = 0  # windows and the final flush
 FLUSH = -1  # `aux` of the flush message, which carries the whole accumulator; its `step` is the sender's step count
 _FLUSH_STEP = 1 << 62  # the ledger's key for the own flush, after every step
 P_MAX = 4  # the most partitions p = auto chooses (measured: docs/results.md, experiment 1)
 DEFAULT_STALENESS = 1  # steps a worker may run ahead of the slowest peer it has heard from
 RING_FROM = 8  # `--exchange auto`: the ring from this many workers on
+EXCHANGES = ("auto", "all-to-all", "ring")  # --exchange
 
 
 def worker(ctx):
@@ -107,7 +109,7 @@ def _all_to_all(ctx, parts, s):
         yield from send_to_peers(ctx, window, step=t, aux=t % len(parts))
         while ledger.slowest() < t - s:
             yield from receive(ledger, ledger.laggard())
-        for message in (yield Poll(TAG)):
+        for message in (yield Poll(AKO_WINDOW)):
             ledger.add(message)
         ledger.settle(up_to=t)
         t += 1
@@ -129,7 +131,7 @@ def receive(ledger: Ledger, peer: int):
     """Wait for `peer`'s next window and file it; a peer found dead (or silent for the
     timeout) is dropped instead."""
     try:
-        ledger.add((yield Recv(TAG, peer)))
+        ledger.add((yield Recv(AKO_WINDOW, peer)))
     except PeerLost as lost:
         ledger.drop(lost.rank)
 
@@ -137,7 +139,7 @@ def receive(ledger: Ledger, peer: int):
 def send_to_peers(ctx, tensor: torch.Tensor, step: int, aux: int):
     """Yield one `Send` of `tensor` (shared, not modified afterwards) to every peer."""
     for peer in ctx.peers:
-        yield Send(tensor, peer, TAG, step, aux)
+        yield Send(tensor, peer, AKO_WINDOW, step, aux)
 
 
 @dataclass
@@ -345,3 +347,21 @@ class Budget:
             f"{b / 1e6:.1f} MB/s ({self.source}), longer than the {t * 1e3:.1f} ms step: on such a link the steps "
             "wait for it"
         )
+
+
+STRATEGY = Strategy(
+    name="ako",
+    worker=worker,
+    replicas_differ=True,
+    survives_loss=True,
+    check=check,
+    options=(
+        Option(name="partitions", help="number of gradient partitions p, or auto (the link budget's, at most 4)",
+               check=Integer("partitions", 1, auto=True)),
+        Option(name="exchange", help="all-to-all (every peer gets each window), ring (an all-reduce of each window), "
+               "or auto (ring from 8 workers on, or where all-to-all would not fit the link)", choices=EXCHANGES),
+        Option(name="staleness", help="staleness bound s (0 = lock-step; default 1)", check=Integer("staleness", 0, 1000)),
+        Option(name="bandwidth", help="link budget of p = auto, e.g. 1Gbit or 100MB (default: measured)"),
+    ),
+    paper="Watcharapichat et al., SoCC 2016; the update as delayed gradient averaging (Zhu et al., NeurIPS 2021)",
+)  # fmt: skip

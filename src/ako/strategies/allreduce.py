@@ -8,6 +8,7 @@ With equal per-worker batches this is single-process SGD on the union of the n m
 from __future__ import annotations
 
 
+from ako.strategies.base import Strategy
 from ako.strategies.ops import AllReduce, Compute
 
 
@@ -27,3 +28,6 @@ def worker(ctx):
         steps += 1
         if vote.item() > 0:
             return {"steps": steps}
+
+
+STRATEGY = Strategy(name="allreduce", worker=worker, paper="synchronous SGD, as DistributedDataParallel does")

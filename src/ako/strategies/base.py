@@ -1,17 +1,21 @@
-"""What every strategy program is given and what describes a strategy."""
+"""What every strategy program is given (`WorkerContext`, `ServerContext`) and what describes a
+strategy in the registry (`Strategy`, with its `Option`s)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ako.config import TrainConfig
+from ako.checks import choice
 from ako.replica import Replica
+
+if TYPE_CHECKING:  # config reads the registry: a runtime import would be a cycle
+    from ako.config import TrainConfig
 
 WorkerProgram = Callable[["WorkerContext"], Generator[Any, Any, dict]]
 ServerProgram = Callable[["ServerContext"], Generator[Any, Any, dict]]
-ConfigCheck = Callable[[TrainConfig, int], None]
+ConfigCheck = Callable[["TrainConfig", int], None]
 
 
 @dataclass
@@ -59,21 +63,50 @@ class ServerContext:
     on_update: Callable[[Any], None] = lambda shard: None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class Option:
+    """A setting a strategy takes: the `TrainConfig` field `name`, what it means for this
+    strategy (`help`, for the CLI and `ako info`), and how it is resolved when the run is
+    validated: `choices` (the allowed values), `default` (what None becomes: a value, or a
+    function of the config), `check(value, config)` (the value normalised, or ConfigError)."""
+
+    name: str
+    help: str
+    choices: tuple[str, ...] | None = None
+    default: Any = None
+    check: Callable[[Any, TrainConfig], Any] | None = None
+
+    def resolve(self, config: TrainConfig) -> Any:
+        """This option's value in `config`, defaulted and checked. Raises ConfigError."""
+        value = getattr(config, self.name)
+        if value is None:
+            value = self.default(config) if callable(self.default) else self.default
+        if self.choices is not None:
+            choice(self.name, value, self.choices)
+        return value if self.check is None or value is None else self.check(value, config)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Strategy:
-    """A named worker program, and a server program for parameter-server strategies. Each
-    returns a dict of facts; scalar facts reach the run summary (per rank in `per_worker`).
-    `decentralised`: replicas may differ, so the records and summary also hold their consensus
-    distance and the accuracy of their average (weighted by each worker's `average_weight`
-    fact, when its program returns one: push-sum gossip).
+    """A registry entry: a named worker program, and a server program for the parameter-server
+    strategies. Each program returns a dict of facts; scalar facts reach the run summary (per
+    rank in `per_worker`).
+
+    `replicas_differ`: the workers' replicas are not kept equal, so the records and summary
+    also hold their consensus distance and the accuracy of their average (weighted by each
+    worker's `average_weight` fact, when its program returns one: push-sum gossip).
     `survives_loss`: the run carries on when a worker other than rank 0 dies.
+    `options`: the settings only this strategy (and others declaring them) takes.
     `check(config, numel)` raises ConfigError for options the model cannot take (before any
-    process starts). `summarise(per_rank)` adds strategy-specific totals to the summary."""
+    process starts). `summarise(per_rank)` adds strategy-specific totals to the summary.
+    `paper`: where the algorithm comes from."""
 
     name: str
     worker: WorkerProgram
-    decentralised: bool
-    check: ConfigCheck | None = None
     server: ServerProgram | None = None
+    replicas_differ: bool = False
     survives_loss: bool = False
+    options: tuple[Option, ...] = ()
+    check: ConfigCheck | None = None
     summarise: Callable[[list[dict]], dict] | None = None
+    paper: str = ""

@@ -43,10 +43,14 @@ import random
 
 import torch
 
+from ako.checks import Integer
+from ako.strategies.base import Option, Strategy
 from ako.strategies.ops import Compute, Lost, Message, PeerLost, Poll, Publish, Pull, Recv, Send
+from ako.strategies.tags import GOSSIP_DONE, GOSSIP_PUSH
 
-PUSH, DONE = 0, 1  # tags: push-sum states, and the end-of-training handshake
 WEIGHT_UNIT = 2**48  # a worker's initial push-sum weight; n * 2**48 fits an int64 for n <= 4096
+MODES = ("pull", "push-sum")  # --gossip
+PEER_SELECTIONS = ("random", "rotating")  # --peers
 
 
 def worker(ctx):
@@ -99,20 +103,20 @@ def push_sum(ctx, select: PeerSelector):
         replica.step(g.grad)
         steps += 1
         if steps % tau == 0:
-            finished.update(m.src for m in (yield Poll(DONE)))
+            finished.update(m.src for m in (yield Poll(GOSSIP_DONE)))
             peer = select.next(rounds, (yield Lost()) | finished)
             half = state.weight // 2
             if peer is not None and half > 0:
                 # a peer that dies takes the weight it holds (or is sent) with it: after a
                 # loss the survivors' weights sum to less than n, and their average is theirs
-                yield Send(replica.params.clone(), peer, PUSH, steps, half)
+                yield Send(replica.params.clone(), peer, GOSSIP_PUSH, steps, half)
                 state.weight -= half
             rounds += 1
-        state.merge_all((yield Poll(PUSH)))
+        state.merge_all((yield Poll(GOSSIP_PUSH)))
         if ctx.stopping:
             break
     yield from handshake(ctx, state, finished)
-    state.merge_all((yield Poll(PUSH)))  # every peer's DONE is in, so are all its pushes
+    state.merge_all((yield Poll(GOSSIP_PUSH)))  # every peer's DONE is in, so are all its pushes
     return {"steps": steps, "rounds": rounds, "average_weight": state.weight / WEIGHT_UNIT}
 
 
@@ -124,7 +128,7 @@ def handshake(ctx, state: PushSumState | None = None, done: set[int] = frozenset
     lost = yield Lost()
     for peer in ctx.peers:
         if peer not in lost:
-            yield Send(torch.empty(0), peer, DONE)
+            yield Send(torch.empty(0), peer, GOSSIP_DONE)
     waiting = set(ctx.peers) - done
     while waiting:
         waiting -= yield Lost()
@@ -132,12 +136,12 @@ def handshake(ctx, state: PushSumState | None = None, done: set[int] = frozenset
             break
         peer = min(waiting)
         try:
-            yield Recv(DONE, peer)
+            yield Recv(GOSSIP_DONE, peer)
         except PeerLost:
             pass
         waiting.discard(peer)
         if state is not None:
-            state.merge_all((yield Poll(PUSH)))
+            state.merge_all((yield Poll(GOSSIP_PUSH)))
 
 
 class PushSumState:
@@ -195,3 +199,18 @@ def rotating_partner(rank: int, round_: int, n: int) -> int | None:
     m = math.ceil(math.log2(n))
     partner = rank ^ (1 << (round_ % m))
     return partner if partner < n else None
+
+
+STRATEGY = Strategy(
+    name="gossip",
+    worker=worker,
+    replicas_differ=True,
+    survives_loss=True,
+    options=(
+        Option(name="tau", help="steps between gossip rounds (default 1)", default=1, check=Integer("tau", 1, 1_000_000)),
+        Option(name="gossip", help="pull (average with a peer's snapshot) or push-sum", choices=MODES),
+        Option(name="peers", help="random (uniform) or rotating (one partner per round, hypercube order)",
+               choices=PEER_SELECTIONS),
+    ),
+    paper="Jin et al. 2016; push-sum: Kempe et al. 2003",
+)  # fmt: skip

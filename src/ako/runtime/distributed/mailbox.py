@@ -7,13 +7,13 @@ send. One receive thread per peer posts `recv`s in a loop and files messages by 
 that dies breaks its connection, its thread records that at once, and any wait on it fails
 with `PeerLost` naming the rank (an any-source `recv` would not notice a dead peer).
 A live peer may be silent for as long as it likes: the waits for messages have the timeouts. Negative
-tags are the runtime's own: STOP (the target accuracy was reached), CLOSE (the peer is done),
+tags are the runtime's own (`ako.strategies.tags`): RUN_STOP (the target accuracy was reached), CLOSE (the peer is done),
 PROBE (bandwidth probe), REPORT and FINAL (end-of-run counts and parameters for rank 0),
-PULL and SNAPSHOT (a request for this worker's published snapshot, and the answer), REPLICA
+SNAPSHOT_REQUEST and SNAPSHOT (a request for this worker's published snapshot, and the answer), REPLICA
 (a copy of a replica for rank 0's consensus measurement), CHECKPOINT (save at step `step`).
 
 Published snapshots: `publish` makes a tensor the one this worker serves. The receive thread
-that reads a peer's PULL answers it at once with the latest snapshot (or, before the first
+that reads a peer's SNAPSHOT_REQUEST answers it at once with the latest snapshot (or, before the first
 `publish`, at that publish), so the publisher's training never stops to answer, and any number
 of peers may pull from each other at the same time without waiting on one another's programs.
 Sends come from the receive threads too, so sending is serialised by a lock: a message's header
@@ -34,8 +34,8 @@ import torch
 import torch.distributed as dist
 
 from ako.strategies.ops import Message, PeerLost
+from ako.strategies.tags import CHECKPOINT, CLOSE, RUN_STOP, SNAPSHOT, SNAPSHOT_REQUEST
 
-STOP, CLOSE, PROBE, REPORT, FINAL, PULL, SNAPSHOT, REPLICA, CHECKPOINT = -1, -2, -3, -4, -5, -6, -7, -8, -9
 _HEADER_TAG, _PAYLOAD_TAG = 1, 2
 _FOREVER = timedelta(days=365)
 _SETTLE_AFTER = 0.5  # seconds after which a send to a live peer has been taken
@@ -244,13 +244,13 @@ class Mailbox:
                 payload = torch.empty(numel, dtype=_DTYPES[dtype])
                 if numel:
                     _receive(payload, peer, self.group, _PAYLOAD_TAG)
-                if tag == STOP:
+                if tag == RUN_STOP:
                     self.on_stop()
                     continue
                 if tag == CHECKPOINT:
                     self.on_checkpoint(step)
                     continue
-                if tag == PULL:
+                if tag == SNAPSHOT_REQUEST:
                     self._serve(peer)
                     continue
                 with self.cond:

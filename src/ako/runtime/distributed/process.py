@@ -152,7 +152,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         checkpointer = runtime
     servers = list(range(n, world))
     if rank < n:
-        replicas = MailboxReplicas(runtime.mailbox, n) if strategy.decentralised else None
+        replicas = MailboxReplicas(runtime.mailbox, n) if strategy.replicas_differ else None
         state = WorkerState(
             config, rank, n, data.train, data.test, replica, runtime.clock, log, runtime.bytes_moved,
             runtime.request_stop, replicas, checkpointer,
@@ -175,7 +175,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         runtime.clock.begin()
     facts = runtime.run(program, ctx, state)
     runtime.clock.stop()
-    final = replica.params if strategy.decentralised and state is not None else None
+    final = replica.params if strategy.replicas_differ and state is not None else None
     reports, finals = runtime.finish(facts, final)
     runtime.close()
     summary = None

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ako.runtime.distributed.mailbox import REPLICA, Mailbox
+from ako.runtime.distributed.mailbox import Mailbox
+from ako.strategies.tags import REPLICA
 
 
 class MailboxReplicas:

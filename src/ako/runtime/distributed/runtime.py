@@ -24,7 +24,7 @@ from ako.data import fetch
 from ako.run.worker import WorkerState
 from ako.runtime.base import compute, compute_partial, drive, run_blocking
 from ako.runtime.distributed import checkpoint
-from ako.runtime.distributed.mailbox import CHECKPOINT, FINAL, PROBE, PULL, REPORT, SNAPSHOT, STOP, Mailbox, comm_error
+from ako.runtime.distributed.mailbox import Mailbox, comm_error
 from ako.strategies.ops import (
     AllReduce,
     Compute,
@@ -41,6 +41,7 @@ from ako.strategies.ops import (
     Snapshot,
     Wait,
 )
+from ako.strategies.tags import CHECKPOINT, FINAL, PROBE, REPORT, RUN_STOP, SNAPSHOT, SNAPSHOT_REQUEST
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 _PROBE_BYTES = 4 << 20
@@ -165,7 +166,7 @@ class DistributedRuntime:
         """Tell every peer to stop (rank 0 reached the target accuracy)."""
         for peer in self.mailbox.peers:
             if peer not in self.mailbox.lost:
-                self.mailbox.send(torch.empty(0), peer, STOP)
+                self.mailbox.send(torch.empty(0), peer, RUN_STOP)
 
     def bytes_moved(self) -> tuple[int, int]:
         """(sent, received) bytes so far, payloads plus collectives."""
@@ -231,7 +232,7 @@ class DistributedRuntime:
         """Request `src`'s published snapshot and wait for it (see `ops.Pull`)."""
         if src in self.mailbox.lost:
             raise PeerLost(src, self.mailbox.lost[src])
-        self.mailbox.send(torch.empty(0), src, PULL, drop_lost=self.survives_loss)
+        self.mailbox.send(torch.empty(0), src, SNAPSHOT_REQUEST, drop_lost=self.survives_loss)
         message = self.mailbox.get(SNAPSHOT, src, self.timeout)
         return Snapshot(src, message.step, message.tensor.to(self.device))
 
@@ -318,7 +319,7 @@ class DistributedRuntime:
     def finish(self, facts: dict, params: torch.Tensor | None) -> tuple[list[dict], list[torch.Tensor]]:
         """After training: every rank reports to rank 0 by message (no collective, so a dead
         peer cannot block it) its role, steps, samples, bytes and scalar facts, and, when
-        `params` is given (decentralised strategies), its final parameters (numel,).
+        `params` is given (strategies whose replicas differ), its final parameters (numel,).
 
         Returns, on rank 0, one report per live rank (by rank) and the live workers' parameters;
         elsewhere ([], []). Ranks that died are in `self.mailbox.lost`."""

@@ -18,7 +18,7 @@ out the operations of `ako.strategies.ops` as the distributed runtime does, with
   once, and `Wait` holds it until that collective is over.
 - `MeasureStep` and `MeasureBandwidth` return the cost model's
   values; `Lost` is empty (no failures are simulated).
-Evaluations (rank 0's snapshots, and for decentralised strategies the consensus distance of
+Evaluations (rank 0's snapshots, and where the replicas differ the consensus distance of
 every worker's copy at the same step) take no virtual time. Same seed, same costs: same result, bit
 for bit, as event order depends only on virtual times and the order events were made.
 """
@@ -51,9 +51,7 @@ from ako.strategies.ops import (
     Snapshot,
     Wait,
 )
-
-_SNAPSHOT = -10  # tag of the answers to `Pull`, the runtime's own
-
+from ako.strategies.tags import SNAPSHOT
 
 class SimClock:
     """`ako.run.worker.Clock` on virtual time: seconds since the start of the simulation, frozen by
@@ -246,7 +244,7 @@ class SimulatedRuntime:
         snapshot `src` has published by then (or at its first publish), as one message back."""
         arrival = self.network.transmit(self.env.now, node.rank, src, 0)
         self.env.timeout(arrival - self.env.now).callbacks.append(lambda _: self._request_arrived(src, node.rank))
-        m = yield from self.receive(node, _SNAPSHOT, src)
+        m = yield from self.receive(node, SNAPSHOT, src)
         return Snapshot(src, m.step, m.tensor.clone())
 
     def _request_arrived(self, src: int, puller: int) -> None:
@@ -258,7 +256,7 @@ class SimulatedRuntime:
 
     def _answer_pull(self, node: Node, puller: int) -> None:
         tensor, step = node.snapshot
-        self.send(node.rank, puller, Message(node.rank, _SNAPSHOT, step, 0, tensor))
+        self.send(node.rank, puller, Message(node.rank, SNAPSHOT, step, 0, tensor))
 
     def receive(self, node: Node, tag: int, src: int | None):
         """The next message with `tag` (from `src` or anyone), waiting for it if need be."""

@@ -67,7 +67,7 @@ def simulate_job(job: Job, costs: Costs) -> tuple[dict, list[WorkerResult]]:
             node.state = WorkerState(
                 config, rank, n, data.train, data.test, replica, node.clock, log,
                 lambda r=rank: runtime.traffic(r), lambda r=rank: runtime.request_stop(r),
-                SharedReplicas(copies, rank, n) if strategy.decentralised else None,
+                SharedReplicas(copies, rank, n) if strategy.replicas_differ else None,
             )  # fmt: skip
             runtime.start(rank, strategy.worker, WorkerContext(rank, n, replica, config, node.state.should_stop, servers))
         else:
@@ -76,7 +76,7 @@ def simulate_job(job: Job, costs: Costs) -> tuple[dict, list[WorkerResult]]:
     end = env.now
     reports = [runtime.report(rank, end) for rank in range(world)]
     facts = runtime.nodes[0].facts
-    finals = [r.params for r in replicas[:n]] if strategy.decentralised else []
+    finals = [r.params for r in replicas[:n]] if strategy.replicas_differ else []
     summary = report(job, data, runtime.nodes[0].state, reports, finals, facts, [], run_dir)
     summary["simulation"] = _simulation_facts(runtime, costs, reports, end, time.perf_counter() - started)
     write_summary(run_dir, summary)

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import torch
 
-from ako.config import ConfigError
+from ako.checks import ConfigError, Integer
 from ako.replica import FlatSGD, OptimizerConfig
+from ako.strategies.base import Option
 from ako.strategies.ops import Compute, Recv, Send
 from ako.strategies.partition import partition_bounds
+from ako.strategies.tags import PS_PARAMS, PS_PUSH
 
-PUSH, PULL, STOP = 10, 11, 12  # gradient shards; parameter shards; A-BSP's "stop now"
 
 
 def shards(numel: int, boundaries: list[int], servers: int) -> list[tuple[int, int]]:
@@ -64,7 +65,7 @@ def unpack(word: int, *bits: int) -> list[int]:
 def push(ctx, vector: torch.Tensor, step: int, aux: int):
     """Send each server its slice of `vector` (numel,) (copied: the caller may reuse it)."""
     for server, (lo, hi) in zip(ctx.servers, _bounds(ctx)):
-        yield Send(vector[lo:hi].clone(), server, PUSH, step, aux)
+        yield Send(vector[lo:hi].clone(), server, PS_PUSH, step, aux)
 
 
 def pull(ctx, into: torch.Tensor):
@@ -72,7 +73,7 @@ def pull(ctx, into: torch.Tensor):
     lowest version any server reported, and whether any told this worker to finish."""
     version, finish = None, False
     for server, (lo, hi) in zip(ctx.servers, _bounds(ctx)):
-        reply = yield Recv(PULL, server)
+        reply = yield Recv(PS_PARAMS, server)
         into[lo:hi].copy_(reply.tensor)
         version = reply.step if version is None else min(version, reply.step)
         finish = finish or bool(reply.aux)
@@ -130,7 +131,7 @@ class Shard:
 
     def reply(self, worker: int, finish: bool):
         """Send `worker` this shard's current parameters and whether it must finish."""
-        yield Send(self.params.clone(), worker, PULL, self.version, int(finish))
+        yield Send(self.params.clone(), worker, PS_PARAMS, self.version, int(finish))
 
     def state_dict(self) -> dict:
         """The shard's parameters, optimizer state, version and tallies, for a checkpoint."""
@@ -198,3 +199,7 @@ def _worker(ctx, update):
         clock += 1
         if finish:
             return {"steps": clock}
+
+
+SERVERS = Option(name="servers", help="parameter-server processes beside the workers (default 1)", default=1,
+                 check=Integer("servers", 1, 1024))  # fmt: skip

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from ako.strategies import paramserver
+from ako.checks import ConfigError, integer
+from ako.strategies.base import Option, Strategy
+from ako.strategies.ps import base
 from ako.strategies.ops import ComputePartial, Recv, Send
-from ako.strategies.paramserver import PUSH, STOP, Shard, pack, pull, push, unpack
+from ako.strategies.ps.base import SERVERS, Shard, check, pack, pull, push, unpack
+from ako.strategies.tags import ABSP_STOP, PS_PUSH
 
 
 def worker(ctx):
@@ -25,7 +28,7 @@ def worker(ctx):
     numbered as the server's versions, from the step a resumed run starts at."""
     handed_in, oldest, t = 0.0, 0, ctx.resumed_step
     while True:
-        part = yield ComputePartial(ctx.config.micro_batch, STOP, t)
+        part = yield ComputePartial(ctx.config.micro_batch, ABSP_STOP, t)
         whole = part.samples == part.assigned
         vote = int(ctx.stopping)
         yield from push(ctx, part.grad_sum, step=t, aux=pack((vote, 1), (int(whole), 1), (part.samples, 32)))
@@ -44,7 +47,7 @@ def server(sctx):
     while True:
         total, count, finish, told, pushed = torch.zeros_like(shard.params), 0, False, False, set()
         while len(pushed) < len(sctx.workers):
-            m = yield Recv(PUSH)
+            m = yield Recv(PS_PUSH)
             vote, whole, samples = unpack(m.aux, 1, 1, 32)
             total.add_(m.tensor)
             count += samples
@@ -55,7 +58,7 @@ def server(sctx):
                 told = True
                 for w in sctx.workers:
                     if w not in pushed:
-                        yield Send(empty, w, STOP, shard.version)
+                        yield Send(empty, w, ABSP_STOP, shard.version)
         shard.apply(total.div_(count))
         for w in sctx.workers:
             yield from shard.reply(w, finish)
@@ -67,7 +70,32 @@ def summarise(reports: list[dict]) -> dict:
     """Staleness, and over the workers: the mean fraction handed in, the oldest waiting sample."""
     workers = [r for r in reports if r["role"] == "worker"]
     return {
-        **paramserver.summarise(reports),
+        **base.summarise(reports),
         "handed_in": round(sum(r["handed_in"] for r in workers) / len(workers), 4),
         "oldest_waiting": max(r["oldest_waiting"] for r in workers),
     }
+
+
+def default_micro_batch(config) -> int:
+    """A quarter of the mini-batch (at least 1 sample)."""
+    return max(1, config.batch_size // 4)
+
+
+def check_micro_batch(value, config) -> int:
+    """An integer from 1 to the mini-batch size. Raises ConfigError."""
+    micro_batch = integer("micro_batch", value, low=1)
+    if micro_batch > config.batch_size:
+        raise ConfigError(f"micro_batch {micro_batch}: must be at most batch_size {config.batch_size}")
+    return micro_batch
+
+
+STRATEGY = Strategy(
+    name="absp",
+    worker=worker,
+    server=server,
+    options=(SERVERS, Option(name="micro_batch", help="samples per interruptible micro-batch (default batch-size / 4)",
+                             default=default_micro_batch, check=check_micro_batch)),
+    check=check,
+    summarise=summarise,
+    paper="Wang et al., Middleware 2018",
+)  # fmt: skip

@@ -1,7 +1,7 @@
 """BSP parameter server (Valiant 1990, as parameter servers run it): the server waits for all n
 gradients of iteration t, applies their mean as one optimizer step and releases iteration t + 1.
 
-Workers run `paramserver.gradient_worker`: compute, push, pull. The n pushes a server receives
+Workers run `base.gradient_worker`: compute, push, pull. The n pushes a server receives
 between two releases are exactly one per worker, since no worker can push twice without a
 reply. A worker finishes at the iteration where any worker voted to stop, so all finish
 together, with the same parameters. BSP is all-reduce SGD with the update done on the servers.
@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from ako.strategies.base import Strategy
 from ako.strategies.ops import Recv
-from ako.strategies.paramserver import PUSH, Shard, unpack
+from ako.strategies.ps.base import SERVERS, Shard, check, gradient_worker, summarise, unpack
+from ako.strategies.tags import PS_PUSH
 
 
 def server(sctx):
@@ -21,7 +23,7 @@ def server(sctx):
     while True:
         total, finish = torch.zeros_like(shard.params), False
         for _ in sctx.workers:
-            m = yield Recv(PUSH)
+            m = yield Recv(PS_PUSH)
             vote, version = unpack(m.aux, 1, 40)
             total.add_(m.tensor)
             finish |= bool(vote)
@@ -31,3 +33,9 @@ def server(sctx):
             yield from shard.reply(worker, finish)
         if finish:
             return shard.facts()
+
+
+STRATEGY = Strategy(
+    name="bsp", worker=gradient_worker, server=server, options=(SERVERS,), check=check, summarise=summarise,
+    paper="bulk synchronous parallel on parameter servers (Valiant 1990)",
+)

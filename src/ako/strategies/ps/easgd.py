@@ -22,10 +22,12 @@ import math
 
 import torch
 
+from ako.checks import Integer, Number
+from ako.strategies.base import Option, Strategy
 from ako.strategies.ops import Compute, MeasureBandwidth, MeasureStep, PeerLost, Recv, Send
-from ako.strategies.paramserver import PULL, PUSH, Shard, pack, pull, push, unpack
+from ako.strategies.ps.base import SERVERS, Shard, check, pack, pull, push, summarise, unpack
+from ako.strategies.tags import EASGD_CENTRE, PS_PARAMS, PS_PUSH
 
-CENTRE = 13
 TAU_MAX = 1_000_000  # as --tau allows
 
 
@@ -75,7 +77,7 @@ def _centre(ctx):
     centre = torch.empty_like(ctx.replica.params)
     lo = 0
     for server in ctx.servers:
-        part = (yield Recv(CENTRE, server)).tensor
+        part = (yield Recv(EASGD_CENTRE, server)).tensor
         centre[lo : lo + len(part)].copy_(part)
         lo += len(part)
     return centre
@@ -90,7 +92,7 @@ def server(sctx):
     running = set(sctx.workers)
     while running:
         try:
-            m = yield Recv(PUSH)
+            m = yield Recv(PS_PUSH)
         except PeerLost as lost:  # a dead worker: carry on without it
             running.discard(lost.rank)
             continue
@@ -98,8 +100,27 @@ def server(sctx):
         d = m.tensor.sub_(shard.params).mul_(alpha)
         shard.params.add_(d)
         shard.updated()
-        yield Send(d, m.src, PULL, shard.version, vote)
+        yield Send(d, m.src, PS_PARAMS, shard.version, vote)
         if vote:
             running.discard(m.src)
-    yield Send(shard.params.clone(), sctx.workers[0], CENTRE)
+    yield Send(shard.params.clone(), sctx.workers[0], EASGD_CENTRE)
     return shard.facts()
+
+
+STRATEGY = Strategy(
+    name="easgd",
+    worker=worker,
+    server=server,
+    replicas_differ=True,
+    survives_loss=True,
+    options=(
+        SERVERS,
+        Option(name="tau", help="steps between elastic averaging rounds, or auto (its servers' links allow; the default)",
+               default="auto", check=Integer("tau", 1, TAU_MAX, auto=True)),
+        Option(name="beta", help="moving rate beta; elastic alpha = beta / workers", check=Number("beta", 0.0, 1.0)),
+        Option(name="bandwidth", help="link budget of tau = auto, e.g. 1Gbit or 100MB (default: measured)"),
+    ),
+    check=check,
+    summarise=summarise,
+    paper="Zhang, Choromanska and LeCun, NIPS 2015 (asynchronous EAMSGD)",
+)  # fmt: skip

@@ -1,0 +1,22 @@
+"""Every message tag, named once. Strategies' messages have tags >= 0 and count as training
+traffic; the runtimes' own messages (stop, reports, snapshots, checkpoints) have tags < 0."""
+
+# strategies: one strategy runs at a time, but distinct tags keep a trace unambiguous
+AKO_WINDOW = 0  # Ako: a partition's window of one step, and the final flush (aux = ako.FLUSH)
+GOSSIP_PUSH = 1  # gossip push-sum: half of a worker's weighted parameters
+GOSSIP_DONE = 2  # gossip: the end-of-training handshake
+PS_PUSH = 10  # parameter servers: a worker's gradient (or update) shard
+PS_PARAMS = 11  # parameter servers: a server's parameter shard, sent back to a worker
+ABSP_STOP = 12  # A-BSP: "stop after your current micro-batch"
+EASGD_CENTRE = 13  # EASGD: the centre variable, to rank 0 at the end
+
+# the runtimes' own
+RUN_STOP = -1  # rank 0 reached the target accuracy: every worker stops
+CLOSE = -2  # the mailbox's goodbye
+PROBE = -3  # the bandwidth probe
+REPORT = -4  # a rank's report to rank 0 at the end
+FINAL = -5  # a worker's final replica, to rank 0
+SNAPSHOT_REQUEST = -6  # `ops.Pull`: "send me your published snapshot"
+SNAPSHOT = -7  # the answer to it
+REPLICA = -8  # a replica's copy at an evaluation point, for the consensus distance
+CHECKPOINT = -9  # rank 0's call for a checkpoint at a step
