@@ -68,11 +68,11 @@ def report(
     end = {}
     if finals:
         weights = [float(r.get("average_weight", 1.0)) for r in reports if r["role"] == "worker"]
-        end = state.consensus_record(finals, weights)
+        end = state.evaluator.consensus_record(finals, weights)
     final = state.finish(end)
     average_eval = (final["average_loss"], final["average_accuracy"]) if finals else None
     summary = build_summary(
-        job.strategy.name, job.config, data.name, reports, state.log.records, final,
+        job.strategy.name, job.config, data.name, reports, state.evaluator.log.records, final,
         average_eval, state.clock.now(), state.clock.wall(),
     )  # fmt: skip
     if job.strategy.summarise is not None:

@@ -55,9 +55,11 @@ def straggler_factor(state) -> float:
 
 
 def compute(state, gradient: GradientFn) -> Generator:
-    """`ops.Compute`: forward and backward on the worker's next mini-batch. Returns a
+    """`ops.Compute`: what is due between two steps (`WorkerState.before_step`: checkpoint,
+    evaluation), then forward and backward on the worker's next mini-batch. Returns a
     `Gradient` whose `grad` (numel,) is the replica's buffer."""
-    x, y = state.next_batch()
+    state.before_step()
+    x, y = state.cursor.next_batch()
     loss = yield from gradient(x, y, straggler_factor(state))
     state.computed(loss)
     return Gradient(state.replica.grad, loss, len(y))
@@ -70,17 +72,18 @@ def compute_partial(
     the assignment micro-batch by micro-batch, stopping before the next one once a message
     `stop_tag` for `iteration` has come. Returns a `PartialGradient` of the sum (numel,) of the
     per-sample gradients done; the samples not done wait for the next iteration."""
-    indices, since = state.next_assignment()
+    state.before_step()
+    indices, since = state.cursor.next_assignment()
     slow = straggler_factor(state)
     grad_sum = torch.zeros_like(state.replica.grad)
     done, loss_sum = 0, 0.0
     for chunk in indices.split(micro_batch):
         if done and told_to_stop(stop_tag, iteration):
             break
-        x, y = fetch(state.train_set, chunk)
+        x, y = fetch(state.cursor.train_set, chunk)
         loss_sum += (yield from gradient(x, y, slow)) * len(y)
         grad_sum.add_(state.replica.grad, alpha=len(y))
         done += len(y)
-    oldest = state.processed(indices, since, done)
+    oldest = state.cursor.processed(indices, since, done)
     state.computed(loss_sum / done)
     return PartialGradient(grad_sum, loss_sum / done, done, indices, oldest)

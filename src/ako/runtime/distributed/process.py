@@ -154,8 +154,9 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     if rank < n:
         replicas = MailboxReplicas(runtime.mailbox, n) if strategy.replicas_differ else None
         state = WorkerState(
-            config, rank, n, data.train, data.test, replica, runtime.clock, log, runtime.bytes_moved,
-            runtime.request_stop, replicas, checkpointer,
+            config=config, rank=rank, world_size=n, replica=replica, train_set=data.train, test_set=data.test,
+            clock=runtime.clock, traffic=runtime.bytes_moved, on_target=runtime.request_stop, log=log,
+            consensus=replicas, checkpointer=checkpointer,
         )  # fmt: skip
         program = strategy.worker
         ctx = WorkerContext(rank, n, replica, config, state.should_stop, servers, point or 0)

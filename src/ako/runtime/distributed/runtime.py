@@ -290,7 +290,7 @@ class DistributedRuntime:
         """Median seconds of forward+backward on one mini-batch (after one warm-up); the
         replica's parameters are not changed."""
         state = self.state
-        x, y = fetch(state.train_set, torch.arange(state.config.batch_size))
+        x, y = fetch(state.cursor.train_set, torch.arange(state.config.batch_size))
         x, y = x.to(self.device), y.to(self.device)
         state.replica.compute_gradient(x, y)
         times = []
@@ -349,8 +349,8 @@ class DistributedRuntime:
             **scalars,
             "rank": self.rank,
             "role": "worker" if state is not None else "server",
-            "steps": state.step if state is not None else 0,
-            "samples": state.samples if state is not None else 0,
+            "steps": state.cursor.step if state is not None else 0,
+            "samples": state.cursor.samples if state is not None else 0,
             "bytes_sent": sent,
             "bytes_received": received,
         }

@@ -339,8 +339,8 @@ class SimulatedRuntime:
         return {
             "rank": rank,
             "role": "worker" if state is not None else "server",
-            "steps": state.step if state is not None else 0,
-            "samples": state.samples if state is not None else 0,
+            "steps": state.cursor.step if state is not None else 0,
+            "samples": state.cursor.samples if state is not None else 0,
             "bytes_sent": nic.bytes_up,
             "bytes_received": nic.bytes_down,
             **scalars,

@@ -65,9 +65,9 @@ def simulate_job(job: Job, costs: Costs) -> tuple[dict, list[WorkerResult]]:
         if rank < n:
             log = MetricsLog(run_dir / "metrics.jsonl") if rank == 0 else None
             node.state = WorkerState(
-                config, rank, n, data.train, data.test, replica, node.clock, log,
-                lambda r=rank: runtime.traffic(r), lambda r=rank: runtime.request_stop(r),
-                SharedReplicas(copies, rank, n) if strategy.replicas_differ else None,
+                config=config, rank=rank, world_size=n, replica=replica, train_set=data.train, test_set=data.test,
+                clock=node.clock, traffic=lambda r=rank: runtime.traffic(r), on_target=lambda r=rank: runtime.request_stop(r),
+                log=log, consensus=SharedReplicas(copies, rank, n) if strategy.replicas_differ else None,
             )  # fmt: skip
             runtime.start(rank, strategy.worker, WorkerContext(rank, n, replica, config, node.state.should_stop, servers))
         else:

@@ -1,0 +1,92 @@
+"""Rank 0's evaluations: snapshots of its replica at evaluation points, evaluated on the test
+set (at once with a target accuracy, else after training), logged in order to metrics.jsonl,
+with the consensus distance of the replicas where they differ (`ako.run.consensus`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ako.metrics import MetricsLog
+from ako.replica import Replica
+from ako.run.consensus import ReplicaExchange, consensus_distance
+
+_SNAPSHOT_BYTES = 256 << 20  # snapshots (and the peers' copies for them) kept before evaluating
+
+
+@dataclass
+class _Snapshot:
+    """Rank 0's replica (numel,) at evaluation point `point` (None: the end of training) and
+    its record, until it is logged; `accuracy` once evaluated; `extra` fields for the record
+    known beforehand (the end's consensus)."""
+
+    record: dict
+    params: torch.Tensor
+    point: int | None
+    accuracy: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Evaluator:
+    """Rank 0's evaluations of `replica` on `test_set`, into `log`. With `consensus`, each
+    record waits for the other `world_size - 1` workers' copies of their replicas at the same
+    point and adds their consensus distance and the accuracy of their average. With `eager`
+    (a target accuracy), every snapshot is evaluated at once."""
+
+    def __init__(self, replica: Replica, test_set, log: MetricsLog, world_size: int,
+                 consensus: ReplicaExchange | None = None, eager: bool = False):  # fmt: skip
+        self.replica, self.test_set, self.log, self.world_size = replica, test_set, log, world_size
+        self.consensus, self.eager = consensus, eager
+        self.snapshots: list[_Snapshot] = []  # awaiting evaluation or logging, oldest first
+
+    def keep(self, record: dict, point: int | None, extra: dict | None = None) -> bool:
+        """Keep a copy of the replica with its progress `record` at evaluation point `point`
+        (None: the end). Returns whether to evaluate now: when eager, or when what is kept (and
+        the peers' copies for it) would pass 256 MB."""
+        self.snapshots.append(_Snapshot(record, self.replica.params.clone(), point, extra=extra or {}))
+        copies = self.world_size if self.consensus is not None else 1
+        return self.eager or len(self.snapshots) * copies * self.replica.grad_bytes > _SNAPSHOT_BYTES
+
+    @property
+    def evaluated_first(self) -> bool:
+        """Whether the oldest snapshot is evaluated and only waits for the peers' copies."""
+        return bool(self.snapshots) and self.snapshots[0].accuracy is not None
+
+    def evaluate(self, final: bool = False) -> float:
+        """Evaluate the snapshots not yet evaluated and log, oldest first, those whose
+        consensus is known (all of them when `final`); returns the last accuracy."""
+        accuracy = 0.0
+        for s in self.snapshots:
+            if s.accuracy is None:
+                loss, s.accuracy = self.replica.evaluate_params(s.params, self.test_set)
+                s.record.update(test_loss=round(loss, 5), test_accuracy=round(s.accuracy, 5))
+            accuracy = s.accuracy
+        self.log_ready(final)
+        return accuracy
+
+    def log_ready(self, final: bool) -> None:
+        """Log the evaluated snapshots at the head of the line whose point every live worker
+        has reported (when `final`, with whatever was reported)."""
+        while self.evaluated_first:
+            s = self.snapshots[0]
+            if self.consensus is not None and s.point is not None:
+                others = self.consensus.peer_replicas(s.point, final)
+                if others is None:
+                    return
+                s.record.update(self.consensus_record([s.params, *others]))
+            self.log.append({**s.record, **s.extra})
+            self.snapshots.pop(0)
+
+    def consensus_record(self, replicas: list[torch.Tensor], weights: list[float] | None = None) -> dict:
+        """How many replicas, their consensus distance, and the test loss and accuracy of their
+        (weighted) average: the fields the records add where replicas differ."""
+        stacked = torch.stack([r.to(self.replica.params.device) for r in replicas])
+        distance, average = consensus_distance(stacked, weights)
+        loss, accuracy = self.replica.evaluate_params(average, self.test_set)
+        return {
+            "replicas": len(replicas),
+            "consensus_distance": float(f"{distance:.4g}"),
+            "average_loss": round(loss, 5),
+            "average_accuracy": round(accuracy, 5),
+        }
