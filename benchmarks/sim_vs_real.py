@@ -9,7 +9,7 @@ Calibration: `ako calibrate --processes <workers>`, seconds per sample with 1..n
 computing at once, one thread each, as the distributed runtime's workers run; the simulator
 then models the workers sharing this machine's cores (`costs.SharedHost`), which matters here:
 4 workers share 2 cores, and the straggler's waits leave its core to the others. Links:
-loopback as measured in ../shared/notes/engine-facts.md (send/recv about 1.9 GB/s, a 170 us
+loopback as measured here (docs/design.md, "Facts of torch.distributed": send/recv about 1.9 GB/s, a 170 us
 round trip), unless --bandwidth/--latency say otherwise.
 
     .venv/bin/python benchmarks/sim_vs_real.py [--strategies allreduce,ako,bsp] [--epochs 2]

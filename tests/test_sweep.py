@@ -10,8 +10,9 @@ import textwrap
 import pytest
 
 from ako.cli import main
-from ako.report import _sig, write_report
-from ako.sweep import finished_run, load_sweep
+from ako.experiments.grid import load_sweep
+from ako.experiments.report import _sig, write_report
+from ako.experiments.runner import finished_run
 
 TINY = """
 runtime = "simulate"
@@ -233,10 +234,10 @@ def test_a_cell_with_bad_input_stops_the_sweep(tmp_path, capsys):
 
 
 def test_sweep_file_documentation_example_parses(tmp_path):
-    """The example in ako.sweep's docstring is a valid sweep file."""
-    import ako.sweep
+    """The example in ako.experiments.grid's docstring is a valid sweep file."""
+    import ako.experiments.grid
 
-    example = ako.sweep.__doc__.split("being compared:")[1].split("Each cell runs")[0]
+    example = ako.experiments.grid.__doc__.split("being compared:")[1].split("Each cell runs")[0]
     file = tmp_path / "example.toml"
     file.write_text(textwrap.dedent(example))
     sweep = load_sweep(file)

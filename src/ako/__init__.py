@@ -1,4 +1,4 @@
-"""ako: data-parallel training without parameter-server bottlenecks (see DESIGN.md)."""
+"""ako: data-parallel training without parameter-server bottlenecks (docs/design.md)."""
 
 from ako.api import RunResult, calibrate, simulate, train
 from ako.config import ConfigError, TrainConfig

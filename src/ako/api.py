@@ -90,7 +90,7 @@ def simulate(
     test_set: torch.utils.data.Dataset | None = None,
     strategy: Strategy | None = None,
 ) -> RunResult:
-    """Run `config` on a simulated cluster in this process (DESIGN.md, "simulated runtime"):
+    """Run `config` on a simulated cluster in this process (docs/simulator.md):
     the same strategy programs with real gradients, time from the cost model.
 
     Costs: `config.bandwidth` is every node's up- and downlink rate (free when None),

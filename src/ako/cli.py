@@ -210,7 +210,8 @@ def cmd_sweep(file: str, out: str | None, jobs: int, progress: bool | None) -> i
     """`ako sweep`: 0 when every cell finished, 1 when some failed (listed), 2 for bad input."""
     from pathlib import Path
 
-    from ako.sweep import SweepFailed, load_sweep, run_sweep
+    from ako.experiments.grid import load_sweep
+    from ako.experiments.runner import SweepFailed, run_sweep
 
     sweep = load_sweep(file)
     where = Path(out or os.path.join("sweeps", sweep.name))
@@ -237,7 +238,7 @@ def _interrupt(signum, frame):
 
 def cmd_report(sweep_dir: str, out: str | None) -> int:
     """`ako report`: write report.md and the PNG plots."""
-    from ako.report import write_report
+    from ako.experiments.report import write_report
 
     path = write_report(sweep_dir, out)
     print(f"ako report: {path}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -60,6 +60,12 @@ class Job:
             return Data(self.train_set, self.test_set, tuple(x.shape), classes, "custom")
         split = load_dataset(c.dataset, c.data_dir, c.train_samples, c.test_samples)
         return Data(split.train, split.test, split.input_shape, split.num_classes, split.name, split.notice)
+
+    def resolved(self, data: Data) -> Job:
+        """This job as it really runs: with the data set `auto` chose, and model "custom" for
+        a user's own model factory."""
+        model = "custom" if self.model_fn is not None else self.config.model
+        return replace(self, config=replace(self.config, dataset=data.name, model=model))
 
     def build_replica(self, data: Data, device: torch.device) -> Replica:
         """A replica with the model initialised from the run seed (identical on every worker)."""

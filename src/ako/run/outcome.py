@@ -29,6 +29,21 @@ class WorkerResult:
 
 
 
+def rank_report(rank: int, state: WorkerState | None, facts: dict, sent: int, received: int) -> dict:
+    """One rank's report for the summary (`per_worker`, and the servers' figures): its role,
+    steps and samples (a server, whose `state` is None, has none), bytes sent and received, and
+    its program's scalar facts."""
+    return {
+        **{k: v for k, v in facts.items() if isinstance(v, (str, int, float, bool))},
+        "rank": rank,
+        "role": "worker" if state is not None else "server",
+        "steps": state.cursor.step if state is not None else 0,  # a resumed run's too, not only this process's
+        "samples": state.cursor.samples if state is not None else 0,
+        "bytes_sent": sent,
+        "bytes_received": received,
+    }
+
+
 def open_run_dir(config, strategy: str, data) -> Path:
     """A new run directory under `config.out_dir` with the run's config.toml; prints the data
     set's notice (a fallback it took), if any."""

@@ -1,4 +1,5 @@
-"""The operations a strategy program yields to its runtime (DESIGN.md, "strategy programming model").
+"""The operations a strategy program yields to its runtime (docs/design.md, "The strategy
+programming model").
 
 A strategy is a generator function `worker(ctx)` that yields these operations and receives their
 results, like a SimPy process. The distributed runtime carries them out on torch.distributed; the

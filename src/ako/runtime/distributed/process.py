@@ -36,7 +36,7 @@ def join_process_group(timeout: float, backend: str) -> tuple[int, int, dist.Sto
     the agent's store: shared by every restart attempt).
 
     Each restart attempt uses its own key prefix in the agent's store: Gloo would otherwise
-    read the previous attempt's stale addresses (engine-facts.md, torchrun --max-restarts).
+    read the previous attempt's stale addresses (docs/design.md, "Facts of torch.distributed").
     """
     world = _environment("WORLD_SIZE", 1, 1 << 20)
     rank = _environment("RANK", 0, world - 1)
@@ -128,9 +128,7 @@ def run_worker(job: Job) -> WorkerResult:
 
 def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.Store) -> tuple[WorkerResult, bool]:
     data = job.load_data()
-    # what the run really used: the data set `auto` chose, the user's own model or data
-    model = "custom" if job.model_fn is not None else job.config.model
-    job = replace(job, config=replace(job.config, dataset=data.name, model=model))
+    job = job.resolved(data)
     config, strategy = job.config, job.strategy
     n = config.workers
     replica = job.build_replica(data, device)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ako.data import fetch
+from ako.run.outcome import rank_report
 from ako.run.worker import WorkerState
 from ako.runtime.base import compute, compute_partial, drive, run_blocking
 from ako.runtime.distributed import checkpoint
@@ -323,7 +324,7 @@ class DistributedRuntime:
 
         Returns, on rank 0, one report per live rank (by rank) and the live workers' parameters;
         elsewhere ([], []). Ranks that died are in `self.mailbox.lost`."""
-        report = self._own_report(facts)
+        report = rank_report(self.rank, self.state, facts, *self.bytes_moved())
         if self.rank != 0:
             self.mailbox.send(_encode(report), 0, REPORT)
             if params is not None:
@@ -340,20 +341,6 @@ class DistributedRuntime:
                 if not self.survives_loss:
                     raise
         return reports, finals
-
-    def _own_report(self, facts: dict) -> dict:
-        state = self.state
-        sent, received = self.bytes_moved()
-        scalars = {k: v for k, v in facts.items() if isinstance(v, (str, int, float, bool))}
-        return {
-            **scalars,
-            "rank": self.rank,
-            "role": "worker" if state is not None else "server",
-            "steps": state.cursor.step if state is not None else 0,
-            "samples": state.cursor.samples if state is not None else 0,
-            "bytes_sent": sent,
-            "bytes_received": received,
-        }
 
     def close(self) -> None:
         """Say goodbye to every peer and wait for theirs (at most `timeout` seconds)."""

@@ -1,4 +1,4 @@
-"""The simulated runtime's cost model (DESIGN.md, "Cluster model"): compute speed, NICs, links.
+"""The simulated runtime's cost model (docs/design.md, "Cluster model"): compute speed, NICs, links.
 
 - Compute: a gradient of k samples takes k x `seconds_per_sample` x the straggler factor that
   `ako.cluster.Slowdown` gives for that step (the same description the distributed runtime uses).

@@ -34,6 +34,7 @@ import torch
 
 from ako.runtime.base import compute, compute_partial, drive
 from ako.runtime.simulated.costs import Costs, Network, SharedHost
+from ako.run.outcome import rank_report
 from ako.run.worker import WorkerState
 from ako.strategies.ops import (
     AllReduce,
@@ -333,17 +334,9 @@ class SimulatedRuntime:
         """Rank `rank`'s report for the summary (as `DistributedRuntime.finish` gathers them),
         with its time accounts and NIC utilisation over `end` virtual seconds."""
         node, nic = self.nodes[rank], self.network.nics[rank]
-        state = node.state
-        scalars = {k: v for k, v in node.facts.items() if isinstance(v, (str, int, float, bool))}
         span = max(end, 1e-12)
         return {
-            "rank": rank,
-            "role": "worker" if state is not None else "server",
-            "steps": state.cursor.step if state is not None else 0,
-            "samples": state.cursor.samples if state is not None else 0,
-            "bytes_sent": nic.bytes_up,
-            "bytes_received": nic.bytes_down,
-            **scalars,
+            **rank_report(rank, node.state, node.facts, nic.bytes_up, nic.bytes_down),
             "compute_seconds": round(node.compute_seconds, 6),
             "idle_seconds": round(node.idle_seconds, 6),
             "communication_seconds": round(node.communication_seconds, 6),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
 
 import simpy
 import torch
@@ -48,8 +47,7 @@ def simulate_job(job: Job, costs: Costs) -> tuple[dict, list[WorkerResult]]:
     for bad input and RuntimeError when the strategy deadlocks."""
     started = time.perf_counter()
     data = job.load_data()
-    model = "custom" if job.model_fn is not None else job.config.model
-    job = replace(job, config=replace(job.config, dataset=data.name, model=model))
+    job = job.resolved(data)
     config, strategy = job.config, job.strategy
     n, world = config.workers, config.workers + (config.servers or 0)
     cpu = torch.device("cpu")

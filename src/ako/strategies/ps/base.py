@@ -3,7 +3,7 @@
 S servers each own a contiguous, size-balanced shard of the flat parameter vector (tensors kept
 whole where the balance allows, as Ako's partitions are). A worker pushes each server the slice
 of its gradient (or update) that server owns and pulls back the server's parameters
-(DESIGN.md, "Parameter-server models"). Where the optimizer runs:
+(docs/design.md, "The algorithms"). Where the optimizer runs:
 - `bsp` and `absp` (synchronous: one mean per iteration): on the servers, which keep their
   shard's optimizer state (momentum buffer); the workers push gradients (`gradient_worker`).
 - `ssp` and `asp` (stale): on the workers, as BytePS's asynchronous mode does: each worker takes

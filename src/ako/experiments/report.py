@@ -23,7 +23,8 @@ import numpy as np
 
 from ako.config import ConfigError
 from ako.metrics import time_to_accuracy, write_atomic
-from ako.sweep import Cell, Sweep, finished_run, load_sweep, safe_name
+from ako.experiments.grid import Cell, Sweep, load_sweep, safe_name
+from ako.experiments.runner import finished_run
 
 DEFAULT_TARGET = 0.85
 

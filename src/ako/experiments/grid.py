@@ -25,32 +25,22 @@ being compared:
     budget = 3.0                    # also the accuracy at this many seconds
 
 Each cell runs as its own `ako simulate|train` process, its run directory under
-`<sweep dir>/cells/<cell>/`. A cell is finished when its run wrote summary.json with the
-settings the file gives now; running the sweep again runs only the others (resumable).
+`<sweep dir>/cells/<cell>/` (`ako.experiments.runner`). A cell is finished when its run wrote
+summary.json with the settings the file gives now; running the sweep again runs only the others
+(resumable).
 """
 
 from __future__ import annotations
 
-import fcntl
 import itertools
-import json
 import math
 import os
 import re
-import shutil
-import subprocess
-import sys
-import threading
-import time
 import tomllib
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
-import tomli_w
-
 from ako.config import FIELDS, ConfigError, TrainConfig, validate
-from ako.metrics import write_atomic
 
 RUNTIMES = ("simulate", "train")
 MAX_CELLS = 10_000
@@ -273,173 +263,3 @@ def _check_cell(cell: Cell) -> None:
         raise ConfigError(f"cell {cell.name}: {e}") from None
     except TypeError as e:  # a value TrainConfig cannot even hold
         raise ConfigError(f"cell {cell.name}: {e}") from None
-
-
-# --- running ---------------------------------------------------------------------------------
-
-
-def finished_run(cell_dir: Path, cell: Cell) -> tuple[Path, dict, list[dict]] | None:
-    """The cell's run directory, summary and evaluation records when its run finished with these
-    settings on this runtime and its outputs can be read, else None (the cell is to be run again)."""
-    try:
-        recorded = json.loads((cell_dir / "cell.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(recorded, dict) or recorded.get("settings") != _jsonable(cell.settings) or recorded.get("runtime") != cell.runtime:
-        return None
-    run = next((p.parent for p in sorted(cell_dir.glob("*/summary.json"))), None)
-    outputs = None if run is None else load_run(run)
-    return None if outputs is None else (run, *outputs)
-
-
-def load_run(run: Path) -> tuple[dict, list[dict]] | None:
-    """A finished run's summary and evaluation records, or None when either cannot be read."""
-    try:
-        summary = json.loads((run / "summary.json").read_text())
-        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    except (OSError, ValueError):
-        return None
-    good = isinstance(summary, dict) and isinstance(summary.get("test_accuracy"), (int, float))
-    good = good and records and all(isinstance(r, dict) and isinstance(r.get("time"), (int, float)) for r in records)
-    return (summary, records) if good else None
-
-
-def _jsonable(settings: dict) -> dict:
-    return json.loads(json.dumps(settings))
-
-
-class SweepFailed(Exception):
-    """A cell's run exited with bad input (status 2), so every other cell would fail alike; or
-    another sweep is running in the same directory."""
-
-
-def run_sweep(sweep: Sweep, out: Path, jobs: int = 1, progress: bool | None = None) -> list[tuple[Cell, str]]:
-    """Run the cells of `sweep` not yet finished under `out`, `jobs` at a time, showing overall
-    progress. Returns the failed cells with the last line of their log (the others finished).
-    Raises SweepFailed when a cell reports bad input or another sweep holds `out`;
-    KeyboardInterrupt stops the running cells.
-    """
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        lock = open(out / ".lock", "w")  # noqa: SIM115 -- held until this function returns
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        named = sweep.text if "name" in tomllib.loads(sweep.text) else f"name = {json.dumps(sweep.name)}\n{sweep.text}"
-        write_atomic(out / "sweep.toml", named)  # what `ako report` reads, under the sweep's name
-    except BlockingIOError:
-        raise SweepFailed(f"sweep directory {str(out)!r}: another ako sweep is running in it") from None
-    except OSError as e:
-        raise SweepFailed(f"sweep directory {str(out)!r}: cannot write there ({e.strerror or e})") from None
-    cells = sweep.cells()
-    todo = [c for c in cells if finished_run(out / "cells" / c.name, c) is None]
-    bar = _progress(len(cells), len(cells) - len(todo), progress)
-    failed: list[tuple[Cell, str]] = []
-    running: dict = {}
-    stop = threading.Event()
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-
-        def start(cell: Cell) -> None:
-            running[pool.submit(run_cell, cell, out / "cells" / cell.name, jobs, stop)] = cell
-
-        try:
-            pending = iter(todo)
-            for cell in itertools.islice(pending, jobs):
-                start(cell)
-            while running:
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in done:
-                    cell = running.pop(future)
-                    status, line = future.result()
-                    if status == EXIT_BAD_INPUT:
-                        raise SweepFailed(f"cell {cell.name}: {line}")
-                    if status != 0:
-                        failed.append((cell, line))
-                    bar.write(f"{'failed' if status else 'done  '} {cell.name}: {line}")
-                    bar.update(1)
-                    for nxt in itertools.islice(pending, 1):
-                        start(nxt)
-        except BaseException:
-            stop.set()
-            raise
-        finally:
-            bar.close()
-    return failed
-
-
-def run_cell(cell: Cell, cell_dir: Path, jobs: int, stop: threading.Event) -> tuple[int, str]:
-    """Run one cell as `python -m ako <simulate|train> --config cell.toml` in a fresh `cell_dir`.
-    Returns (exit status, a one-line result or error)."""
-    try:
-        return _run_cell(cell, cell_dir, jobs, stop)
-    except OSError as e:  # the disk, not the cell: say so and go on with the others
-        return 1, f"cannot write in {cell_dir}: {e.strerror or e}"
-
-
-def _run_cell(cell: Cell, cell_dir: Path, jobs: int, stop: threading.Event) -> tuple[int, str]:
-    if cell_dir.exists():
-        shutil.rmtree(cell_dir)  # an unfinished or outdated run: start the cell again
-    cell_dir.mkdir(parents=True)
-    write_atomic(cell_dir / "cell.toml", tomli_w.dumps(cell.settings))
-    command = [sys.executable, "-m", "ako", cell.runtime, "--config", str(cell_dir / "cell.toml"),
-               "--out-dir", str(cell_dir), "--no-progress"]  # fmt: skip
-    env = dict(os.environ, OMP_NUM_THREADS="1") if jobs > 1 else None  # one core per cell
-    started = time.monotonic()
-    with open(cell_dir / "log.txt", "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        while process.poll() is None:
-            if stop.wait(0.2):
-                _stop(process)
-                return 130, "interrupted"
-    status = process.returncode
-    run = next((p.parent for p in cell_dir.glob("*/summary.json")), None)
-    if status == 0 and run is not None and (outputs := load_run(run)) is not None:
-        record = {"arm": cell.arm, "labels": dict(cell.labels), "runtime": cell.runtime, "settings": _jsonable(cell.settings)}
-        write_atomic(cell_dir / "cell.json", json.dumps(record, indent=2))
-        return 0, _outcome(outputs[0], cell, time.monotonic() - started)
-    lines = (cell_dir / "log.txt").read_text().strip().splitlines()
-    return status or 1, lines[-1] if lines else f"exit status {status}"
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """Stop a cell's run: SIGTERM (its workers die with it), SIGKILL after 10 s."""
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
-def _outcome(summary: dict, cell: Cell, seconds: float) -> str:
-    target = cell.settings.get("target_accuracy")
-    text = f"accuracy {summary['test_accuracy']:.4f}"
-    if target:
-        target = float(target)  # validated; it may be written as a string
-        tta = summary["time_to_accuracy"].get(f"{target:g}")
-        text += f", {target:.0%} " + ("not reached" if tta is None else f"at {tta:.1f} s")
-    return f"{text} ({seconds:.0f} s)"
-
-
-def _progress(total: int, done: int, show: bool | None):
-    """tqdm over the cells; it also writes one line per finished cell when not on a terminal."""
-    from tqdm import tqdm
-
-    if sys.stderr.isatty() if show is None else show:
-        return tqdm(total=total, initial=done, unit="cell", desc="sweep", dynamic_ncols=True)
-    return _Lines(total, done)
-
-
-class _Lines:
-    """Progress as plain lines, "[k/n] ...", for logs and pipes."""
-
-    def __init__(self, total: int, done: int):
-        self.total, self.done = total, done
-        print(f"sweep: {done} of {total} cells already finished", file=sys.stderr, flush=True)
-
-    def write(self, text: str) -> None:
-        print(f"[{self.done + 1}/{self.total}] {text}", file=sys.stderr, flush=True)
-
-    def update(self, n: int) -> None:
-        self.done += n
-
-    def close(self) -> None:
-        pass
