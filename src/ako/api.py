@@ -22,7 +22,7 @@ from ako.run.job import Job
 from ako.run.outcome import WorkerResult
 from ako.runtime.distributed import checkpoint
 from ako.runtime.distributed.launcher import launch, under_elastic_agent
-from ako.runtime.distributed.process import run_worker
+from ako.runtime.distributed.process import run_rank
 from ako.strategies import Strategy
 
 
@@ -72,7 +72,7 @@ def train(
     """
     job = Job(validate(config), strategy, model_fn, train_set, test_set)
     if under_elastic_agent():
-        result = run_worker(job)
+        result = run_rank(job)
         return RunResult(result.summary, [result])
     _, numel = job.check()
     if job.config.resume is not None:

@@ -71,7 +71,7 @@ def final_model(state: WorkerState, unflushed: torch.Tensor, final: dict, test_s
     }
 
 
-def report(
+def final_summary(
     job: Job, data, state: WorkerState, reports: list[dict], finals, facts: dict, lost: list[int], run_dir: Path,
     resumed: int | None = None,
 ) -> dict:  # fmt: skip

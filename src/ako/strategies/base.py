@@ -5,17 +5,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ako.checks import choice
 from ako.replica import Replica
 
-if TYPE_CHECKING:  # config reads the registry: a runtime import would be a cycle
-    from ako.config import TrainConfig
+# `ako.config.TrainConfig` is typed Any here: config reads this registry, and importing it
+# back would make a cycle.
+TrainConfig = Any
 
 WorkerProgram = Callable[["WorkerContext"], Generator[Any, Any, dict]]
 ServerProgram = Callable[["ServerContext"], Generator[Any, Any, dict]]
-ConfigCheck = Callable[["TrainConfig", int], None]
+ConfigCheck = Callable[[TrainConfig, int], None]
 
 
 @dataclass

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ako.config import ConfigError
+from ako.strategies.tags import CHECKPOINT
 
 FORMAT = 1
 _KEEP = 2
@@ -141,3 +142,51 @@ def find(run_dir: str | os.PathLike, expected: dict, workers: int) -> int:
                 check(load(run_dir, point, rank), {**expected, "role": role}, str(path(run_dir, point, rank)), contents=True)
             return point
     raise CheckpointError(f"resume {str(run_dir)!r}: no complete checkpoint in it (one file per rank)")
+
+
+class Checkpoints:
+    """This rank's part in checkpointing a run (`ako.run.worker.Checkpointer`): rank 0 calls
+    for a checkpoint at a step (`announce`), each worker saves its part when it gets there
+    (`save`, from `WorkerState`), a server at its first update at or after that version
+    (`on_update`). `runtime` is this rank's `DistributedRuntime` (its mailbox, worker state and
+    byte counts); `every` the seconds of training between checkpoints; `identity` what every
+    checkpoint of this run must agree with (`Job.identity`)."""
+
+    def __init__(self, runtime, run_dir: Path, every: float, identity: dict):
+        self.runtime, self.run_dir, self.every, self.identity = runtime, run_dir, every, identity
+        self.due: int | None = None  # a server's: the step rank 0 called for
+
+    def called(self, point: int) -> None:
+        """Rank 0's call for a checkpoint at step `point` arrived (the mailbox's callback)."""
+        self.due = point
+        if self.runtime.state is not None:
+            self.runtime.state.checkpoint_at = point
+
+    def announce(self, point: int) -> None:
+        """Rank 0: tell every other rank to save its part of the checkpoint at step `point`."""
+        mailbox = self.runtime.mailbox
+        for peer in mailbox.peers:
+            if peer not in mailbox.lost:
+                mailbox.send(torch.empty(0), peer, CHECKPOINT, step=point, drop_lost=True)
+
+    def save(self, point: int, shard=None) -> None:
+        """Save this rank's part of the checkpoint at step `point`: a worker's replica and
+        place in the run, or a server's `shard`."""
+        state = self.runtime.state
+        if state is not None:
+            own = {
+                "role": "worker",
+                "params": state.replica.params.detach().cpu().clone(),
+                "optimizer": state.replica.optimizer.state_dict(),
+                "worker": state.state_dict(),
+            }
+        else:
+            own = {"role": "server", "shard": shard.state_dict()}
+        saved = {**self.identity, **own, "bytes": list(self.runtime.bytes_moved())}
+        save(self.run_dir, point, self.runtime.rank, self.runtime.world_size, saved)
+
+    def on_update(self, shard) -> None:
+        """A server's shard was updated: save it if a checkpoint is due at its version."""
+        if self.due is not None and shard.version >= self.due:
+            point, self.due = self.due, None
+            self.save(point, shard)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ako.config import ConfigError
 from ako.data import DataError
 from ako.run.outcome import WorkerResult
-from ako.runtime.distributed.process import run_worker
+from ako.runtime.distributed.process import run_rank
 from ako.run.job import Job
 from ako.strategies.ops import PeerLost
 
@@ -43,11 +43,11 @@ def under_elastic_agent() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
-def worker_entry(job: Job) -> WorkerResult:
+def rank_entry(job: Job) -> WorkerResult:
     """The function each launched process runs: a one-line report and exit status 1 on an
     expected failure (set AKO_DEBUG=1 for the traceback)."""
     try:
-        return _numpy(run_worker(job))
+        return _numpy(run_rank(job))
     except EXPECTED_FAILURES as e:
         if os.environ.get("AKO_DEBUG"):
             raise
@@ -96,7 +96,7 @@ def launch(job: Job, processes: int) -> dict[int, WorkerResult]:
     workers = job.config.workers
     survivable = range(1, workers) if job.strategy.survives_loss else ()
     results = launch_function(
-        worker_entry, processes, job, timeout=job.config.timeout, survivable=survivable,
+        rank_entry, processes, job, timeout=job.config.timeout, survivable=survivable,
         role=lambda rank: "worker" if rank < workers else "server",
     )  # fmt: skip
     return {rank: _torch(result) for rank, result in results.items()}

@@ -1,7 +1,7 @@
 """One process of a distributed job: join the process group, build the replica, run the
 strategy program on a `DistributedRuntime`, and (rank 0) report.
 
-`run_worker` is what every worker process runs, whether started by `launcher` on one machine
+`run_rank` is what every worker process runs, whether started by `launcher` on one machine
 or by `torchrun` across machines: it joins the process group from the environment torch's
 elastic agent sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 """
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ako.config import ConfigError, to_toml
 from ako.metrics import MetricsLog, write_atomic
 from ako.run.job import Job
-from ako.run.outcome import WorkerResult, open_run_dir, report
+from ako.run.outcome import WorkerResult, final_summary, open_run_dir
 from ako.run.worker import WorkerState
 from ako.runtime.distributed import checkpoint
 from ako.runtime.distributed.mailbox import comm_error
@@ -104,7 +104,7 @@ def name_process(name: str) -> None:
         ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME
 
 
-def run_worker(job: Job) -> WorkerResult:
+def run_rank(job: Job) -> WorkerResult:
     """Run as one process of the job whose group the elastic agent's (or launcher's)
     environment describes: ranks below `config.workers` are workers, the rest servers."""
     torch.set_num_threads(1)  # one thread per worker process: more oversubscribes the cores
@@ -144,24 +144,25 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     saved = checkpoint.load(run_dir, point, rank) if point is not None else None
     if saved is not None:
         checkpoint.check(saved, identity, str(checkpoint.path(run_dir, point, rank)), contents=True)
-    checkpointer = None
+    checkpoints = None
     if config.checkpoint_every is not None:
-        runtime.run_dir, runtime.every, runtime.identity = run_dir, config.checkpoint_seconds, identity
-        checkpointer = runtime
+        checkpoints = checkpoint.Checkpoints(runtime, run_dir, config.checkpoint_seconds, identity)
+        runtime.checkpoints = checkpoints
     servers = list(range(n, world))
     if rank < n:
         replicas = MailboxReplicas(runtime.mailbox, n) if strategy.replicas_differ else None
         state = WorkerState(
             config=config, rank=rank, world_size=n, replica=replica, train_set=data.train, test_set=data.test,
             clock=runtime.clock, traffic=runtime.bytes_moved, on_target=runtime.request_stop, log=log,
-            consensus=replicas, checkpointer=checkpointer,
+            consensus=replicas, checkpointer=checkpoints,
         )  # fmt: skip
         program = strategy.worker
         ctx = WorkerContext(rank, n, replica, config, state.should_stop, servers, point or 0)
     else:
         state, program = None, strategy.server
         restored = saved["shard"] if saved is not None else None
-        ctx = ServerContext(rank, rank - n, servers, list(range(n)), replica, config, restored, runtime.on_update)
+        on_update = checkpoints.on_update if checkpoints is not None else (lambda shard: None)
+        ctx = ServerContext(rank, rank - n, servers, list(range(n)), replica, config, restored, on_update)
     runtime.state = state
     if saved is not None:
         runtime.restore(saved)
@@ -175,12 +176,12 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     facts = runtime.run(program, ctx, state)
     runtime.clock.stop()
     final = replica.params if strategy.replicas_differ and state is not None else None
-    reports, finals = runtime.finish(facts, final)
+    reports, finals = runtime.gather_reports(facts, final)
     runtime.close()
     summary = None
     if rank == 0:
         lost = sorted(runtime.mailbox.lost)
-        summary = report(job, data, state, reports, finals, facts, lost, run_dir, resumed=point)
+        summary = final_summary(job, data, state, reports, finals, facts, lost, run_dir, resumed=point)
     return WorkerResult(rank, replica.params.cpu().clone(), facts, summary), bool(runtime.mailbox.lost)
 
 

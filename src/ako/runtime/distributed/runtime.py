@@ -9,13 +9,11 @@ around it (joining the group, the run directory, the report) is `process.py`.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -42,7 +40,7 @@ from ako.strategies.ops import (
     Snapshot,
     Wait,
 )
-from ako.strategies.tags import CHECKPOINT, FINAL, PROBE, REPORT, RUN_STOP, SNAPSHOT, SNAPSHOT_REQUEST
+from ako.strategies.tags import FINAL, PROBE, REPORT, RUN_STOP, SNAPSHOT, SNAPSHOT_REQUEST
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 _PROBE_BYTES = 4 << 20
@@ -107,11 +105,7 @@ class DistributedRuntime:
         self.bytes_before = (0, 0)  # (sent, received) before a resumed run's checkpoint
         self.state: WorkerState | None = None
         self.clock = WallClock()
-        # checkpoints (`ako.runtime.distributed.checkpoint`): where, how often, what must match, when next
-        self.run_dir: Path | None = None
-        self.every = math.inf
-        self.identity: dict = {}
-        self.checkpoint_at: int | None = None
+        self.checkpoints: checkpoint.Checkpoints | None = None  # with --checkpoint-every
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         peers = [r for r in range(world_size) if r != rank]
         self.mailbox = Mailbox(rank, peers, group, timeout, self._stop_requested, self._checkpoint_called)
@@ -121,37 +115,8 @@ class DistributedRuntime:
             self.state.stop_requested = True
 
     def _checkpoint_called(self, point: int) -> None:
-        self.checkpoint_at = point
-        if self.state is not None:
-            self.state.checkpoint_at = point
-
-    def announce(self, point: int) -> None:
-        """Rank 0: tell every other rank to save its part of the checkpoint at step `point`."""
-        for peer in self.mailbox.peers:
-            if peer not in self.mailbox.lost:
-                self.mailbox.send(torch.empty(0), peer, CHECKPOINT, step=point, drop_lost=True)
-
-    def save(self, point: int, shard=None) -> None:
-        """Save this rank's part of the checkpoint at step `point`: a worker's replica and
-        place in the run, or a server's `shard`."""
-        if self.state is not None:
-            replica = self.state.replica
-            own = {
-                "role": "worker",
-                "params": replica.params.detach().cpu().clone(),
-                "optimizer": replica.optimizer.state_dict(),
-                "worker": self.state.state_dict(),
-            }
-        else:
-            own = {"role": "server", "shard": shard.state_dict()}
-        state = {**self.identity, **own, "bytes": list(self.bytes_moved())}
-        checkpoint.save(self.run_dir, point, self.rank, self.world_size, state)
-
-    def on_update(self, shard) -> None:
-        """A server's shard was updated: save it if a checkpoint is due at its version."""
-        if self.checkpoint_at is not None and shard.version >= self.checkpoint_at:
-            point, self.checkpoint_at = self.checkpoint_at, None
-            self.save(point, shard)
+        if self.checkpoints is not None:
+            self.checkpoints.called(point)
 
     def restore(self, state: dict) -> None:
         """Continue from this rank's part of a checkpoint (a worker's; a server's shard is
@@ -317,7 +282,7 @@ class DistributedRuntime:
             best = max(best, _PROBE_BYTES / (time.perf_counter() - t))
         return best
 
-    def finish(self, facts: dict, params: torch.Tensor | None) -> tuple[list[dict], list[torch.Tensor]]:
+    def gather_reports(self, facts: dict, params: torch.Tensor | None) -> tuple[list[dict], list[torch.Tensor]]:
         """After training: every rank reports to rank 0 by message (no collective, so a dead
         peer cannot block it) its role, steps, samples, bytes and scalar facts, and, when
         `params` is given (strategies whose replicas differ), its final parameters (numel,).

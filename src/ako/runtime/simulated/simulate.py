@@ -15,28 +15,12 @@ import torch
 
 from ako.metrics import MetricsLog, write_summary
 from ako.run.job import Job
-from ako.run.outcome import WorkerResult, open_run_dir, report
+from ako.run.outcome import WorkerResult, final_summary, open_run_dir
 from ako.run.worker import WorkerState
 from ako.runtime.simulated.costs import Costs
+from ako.runtime.simulated.replicas import SharedReplicas
 from ako.runtime.simulated.runtime import SimulatedRuntime
 from ako.strategies import ServerContext, WorkerContext
-
-
-class SharedReplicas:
-    """`ReplicaExchange` within one process (the simulated runtime): worker `rank` puts its
-    copies into `table` (point -> rank -> replica), which all `workers` workers share."""
-
-    def __init__(self, table: dict[int, dict[int, torch.Tensor]], rank: int, workers: int):
-        self.table, self.rank, self.peers = table, rank, range(1, workers)
-
-    def report_replica(self, point: int, params: torch.Tensor) -> None:
-        self.table.setdefault(point, {})[self.rank] = params.detach().clone()
-
-    def peer_replicas(self, point: int, final: bool) -> list[torch.Tensor] | None:
-        got = self.table.get(point, {})
-        if not final and any(p not in got for p in self.peers):
-            return None
-        return [replica for _, replica in sorted(self.table.pop(point, {}).items())]
 
 
 def simulate_job(job: Job, costs: Costs) -> tuple[dict, list[WorkerResult]]:
@@ -72,10 +56,10 @@ def simulate_job(job: Job, costs: Costs) -> tuple[dict, list[WorkerResult]]:
             runtime.start(rank, strategy.server, ServerContext(rank, rank - n, servers, list(range(n)), replica, config))
     runtime.run()
     end = env.now
-    reports = [runtime.report(rank, end) for rank in range(world)]
+    reports = [runtime.rank_report(rank, end) for rank in range(world)]
     facts = runtime.nodes[0].facts
     finals = [r.params for r in replicas[:n]] if strategy.replicas_differ else []
-    summary = report(job, data, runtime.nodes[0].state, reports, finals, facts, [], run_dir)
+    summary = final_summary(job, data, runtime.nodes[0].state, reports, finals, facts, [], run_dir)
     summary["simulation"] = _simulation_facts(runtime, costs, reports, end, time.perf_counter() - started)
     write_summary(run_dir, summary)
     print(format_simulation(summary["simulation"]), flush=True)

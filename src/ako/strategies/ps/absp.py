@@ -16,9 +16,8 @@ import torch
 
 from ako.checks import ConfigError, integer
 from ako.strategies.base import Option, Strategy
-from ako.strategies.ps import base
 from ako.strategies.ops import ComputePartial, Recv, Send
-from ako.strategies.ps.base import SERVERS, Shard, check, pack, pull, push, unpack
+from ako.strategies.ps.shard import SERVERS, Shard, check, pack, pull_shards, push_shards, staleness_summary, unpack
 from ako.strategies.tags import ABSP_STOP, PS_PUSH
 
 
@@ -31,8 +30,8 @@ def worker(ctx):
         part = yield ComputePartial(ctx.config.micro_batch, ABSP_STOP, t)
         whole = part.samples == part.assigned
         vote = int(ctx.stopping)
-        yield from push(ctx, part.grad_sum, step=t, aux=pack((vote, 1), (int(whole), 1), (part.samples, 32)))
-        _, finish = yield from pull(ctx, ctx.replica.params)
+        yield from push_shards(ctx, part.grad_sum, step=t, aux=pack((vote, 1), (int(whole), 1), (part.samples, 32)))
+        _, finish = yield from pull_shards(ctx, ctx.replica.params)
         handed_in += part.samples / part.assigned
         oldest = max(oldest, part.oldest)
         t += 1
@@ -70,7 +69,7 @@ def summarise(reports: list[dict]) -> dict:
     """Staleness, and over the workers: the mean fraction handed in, the oldest waiting sample."""
     workers = [r for r in reports if r["role"] == "worker"]
     return {
-        **base.summarise(reports),
+        **staleness_summary(reports),
         "handed_in": round(sum(r["handed_in"] for r in workers) / len(workers), 4),
         "oldest_waiting": max(r["oldest_waiting"] for r in workers),
     }

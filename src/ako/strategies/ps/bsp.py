@@ -1,7 +1,7 @@
 """BSP parameter server (Valiant 1990, as parameter servers run it): the server waits for all n
 gradients of iteration t, applies their mean as one optimizer step and releases iteration t + 1.
 
-Workers run `base.gradient_worker`: compute, push, pull. The n pushes a server receives
+Workers run `workers.gradient_worker`: compute, push, pull. The n pushes a server receives
 between two releases are exactly one per worker, since no worker can push twice without a
 reply. A worker finishes at the iteration where any worker voted to stop, so all finish
 together, with the same parameters. BSP is all-reduce SGD with the update done on the servers.
@@ -13,7 +13,8 @@ import torch
 
 from ako.strategies.base import Strategy
 from ako.strategies.ops import Recv
-from ako.strategies.ps.base import SERVERS, Shard, check, gradient_worker, summarise, unpack
+from ako.strategies.ps.shard import SERVERS, Shard, check, staleness_summary, unpack
+from ako.strategies.ps.workers import gradient_worker
 from ako.strategies.tags import PS_PUSH
 
 
@@ -36,6 +37,6 @@ def server(sctx):
 
 
 STRATEGY = Strategy(
-    name="bsp", worker=gradient_worker, server=server, options=(SERVERS,), check=check, summarise=summarise,
+    name="bsp", worker=gradient_worker, server=server, options=(SERVERS,), check=check, summarise=staleness_summary,
     paper="bulk synchronous parallel on parameter servers (Valiant 1990)",
 )

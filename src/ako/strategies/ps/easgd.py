@@ -25,7 +25,7 @@ import torch
 from ako.checks import Integer, Number
 from ako.strategies.base import Option, Strategy
 from ako.strategies.ops import Compute, MeasureBandwidth, MeasureStep, PeerLost, Recv, Send
-from ako.strategies.ps.base import SERVERS, Shard, check, pack, pull, push, summarise, unpack
+from ako.strategies.ps.shard import SERVERS, Shard, check, pack, pull_shards, push_shards, staleness_summary, unpack
 from ako.strategies.tags import EASGD_CENTRE, PS_PARAMS, PS_PUSH
 
 TAU_MAX = 1_000_000  # as --tau allows
@@ -43,8 +43,8 @@ def worker(ctx):
         t += 1
         vote = ctx.stopping
         if vote or t % tau == 0:
-            yield from push(ctx, replica.params, step=t, aux=pack((int(vote), 1)))
-            yield from pull(ctx, delta)
+            yield from push_shards(ctx, replica.params, step=t, aux=pack((int(vote), 1)))
+            yield from pull_shards(ctx, delta)
             replica.params.sub_(delta)
         if vote:
             break
@@ -121,6 +121,6 @@ STRATEGY = Strategy(
         Option(name="bandwidth", help="link budget of tau = auto, e.g. 1Gbit or 100MB (default: measured)"),
     ),
     check=check,
-    summarise=summarise,
+    summarise=staleness_summary,
     paper="Zhang, Choromanska and LeCun, NIPS 2015 (asynchronous EAMSGD)",
 )  # fmt: skip

@@ -2,7 +2,7 @@
 distributed ML via a stale synchronous parallel parameter server", NIPS 2013), and its unbounded
 case, Asynchronous Parallel (as in DistBelief's Downpour SGD).
 
-Workers run `base.update_worker`: compute a gradient, take their own optimizer step on it
+Workers run `workers.update_worker`: compute a gradient, take their own optimizer step on it
 (momentum, Nesterov and weight decay live on the worker, as in BytePS's asynchronous mode), push
 the parameter delta, pull. The server adds each pushed delta at once, scaled by 1/n (so that n
 pushes move the parameters as far as one BSP step of the mean: `lr` means the same for every
@@ -31,7 +31,8 @@ from __future__ import annotations
 from ako.checks import Integer
 from ako.strategies.base import Option, Strategy
 from ako.strategies.ops import PeerLost, Recv
-from ako.strategies.ps.base import SERVERS, Shard, check, summarise, unpack, update_worker
+from ako.strategies.ps.shard import SERVERS, Shard, check, staleness_summary, unpack
+from ako.strategies.ps.workers import update_worker
 from ako.strategies.tags import PS_PUSH
 
 WARMUP_CLOCKS = 12  # the first clocks run in lock-step (s = 0), while the momentum buffers fill
@@ -92,10 +93,10 @@ SSP = Strategy(
     options=(SERVERS, Option(name="staleness", help="staleness bound s (default 2)", default=DEFAULT_STALENESS,
                              check=Integer("staleness", 0, 1000))),
     check=check,
-    summarise=summarise,
+    summarise=staleness_summary,
     paper="Ho et al., NIPS 2013",
 )  # fmt: skip
 ASP = Strategy(
     name="asp", worker=update_worker, server=asp_server, survives_loss=True, options=(SERVERS,), check=check,
-    summarise=summarise, paper="asynchronous parameter servers (Dean et al. 2012, Downpour SGD)",
+    summarise=staleness_summary, paper="asynchronous parameter servers (Dean et al. 2012, Downpour SGD)",
 )

@@ -1,9 +1,11 @@
-"""What the parameter-server strategies share: shards, push and pull, the server's shard.
+"""What the parameter-server strategies share: shards of the flat vector, pushing to and pulling
+from the servers, a server's shard (`Shard`), the `--servers` option.
 
 S servers each own a contiguous, size-balanced shard of the flat parameter vector (tensors kept
 whole where the balance allows, as Ako's partitions are). A worker pushes each server the slice
 of its gradient (or update) that server owns and pulls back the server's parameters
-(docs/design.md, "The algorithms"). Where the optimizer runs:
+(docs/design.md, "The algorithms"; the workers' programs are in `workers`). Where the optimizer
+runs:
 - `bsp` and `absp` (synchronous: one mean per iteration): on the servers, which keep their
   shard's optimizer state (momentum buffer); the workers push gradients (`gradient_worker`).
 - `ssp` and `asp` (stale): on the workers, as BytePS's asynchronous mode does: each worker takes
@@ -26,10 +28,9 @@ import torch
 from ako.checks import ConfigError, Integer
 from ako.replica import FlatSGD, OptimizerConfig
 from ako.strategies.base import Option
-from ako.strategies.ops import Compute, Recv, Send
+from ako.strategies.ops import Recv, Send
 from ako.strategies.partition import partition_bounds
 from ako.strategies.tags import PS_PARAMS, PS_PUSH
-
 
 
 def shards(numel: int, boundaries: list[int], servers: int) -> list[tuple[int, int]]:
@@ -62,13 +63,13 @@ def unpack(word: int, *bits: int) -> list[int]:
     return out
 
 
-def push(ctx, vector: torch.Tensor, step: int, aux: int):
+def push_shards(ctx, vector: torch.Tensor, step: int, aux: int):
     """Send each server its slice of `vector` (numel,) (copied: the caller may reuse it)."""
     for server, (lo, hi) in zip(ctx.servers, _bounds(ctx)):
         yield Send(vector[lo:hi].clone(), server, PS_PUSH, step, aux)
 
 
-def pull(ctx, into: torch.Tensor):
+def pull_shards(ctx, into: torch.Tensor):
     """Receive every server's shard into `into` (numel,). Returns (version, finish): the
     lowest version any server reported, and whether any told this worker to finish."""
     version, finish = None, False
@@ -157,7 +158,7 @@ class Shard:
         }
 
 
-def summarise(reports: list[dict]) -> dict:
+def staleness_summary(reports: list[dict]) -> dict:
     """Mean and maximum staleness of the applied gradients, over every server's tally."""
     servers = [r for r in reports if r["role"] == "server"]
     count = sum(r["staleness_count"] for r in servers)
@@ -165,40 +166,6 @@ def summarise(reports: list[dict]) -> dict:
         "staleness_mean": round(sum(r["staleness_sum"] for r in servers) / count, 4) if count else None,
         "staleness_max": max((r["staleness_max"] for r in servers), default=None),
     }
-
-
-def gradient_worker(ctx):
-    """The worker of bsp: compute a gradient with the parameters last pulled, push it (with the
-    worker's clock, the version it was computed on and its stop vote), pull the parameters the
-    server releases, until a server says finish."""
-    return (yield from _worker(ctx, lambda g: g.grad))
-
-
-def update_worker(ctx):
-    """The worker of ssp and asp: as `gradient_worker`, but it takes its own optimizer step on
-    the gradient (the replica's, with the worker's momentum buffer) and pushes the resulting
-    parameter delta, -lr x (the momentum step), which the servers add, scaled by 1/n."""
-    params = ctx.replica.params
-    delta = torch.empty_like(params)
-
-    def step(g):
-        delta.copy_(params)
-        ctx.replica.step(g.grad)
-        return delta.sub_(params).neg_()  # after - before
-
-    return (yield from _worker(ctx, step))
-
-
-def _worker(ctx, update):
-    version, clock = 0, 0
-    while True:
-        g = yield Compute()
-        vote = int(ctx.stopping)
-        yield from push(ctx, update(g), step=clock, aux=pack((vote, 1), (version, 40)))
-        version, finish = yield from pull(ctx, ctx.replica.params)
-        clock += 1
-        if finish:
-            return {"steps": clock}
 
 
 SERVERS = Option(name="servers", help="parameter-server processes beside the workers (default 1)", default=1,
