@@ -25,6 +25,9 @@ from ako.runtime.distributed.launcher import launch, under_elastic_agent
 from ako.runtime.distributed.process import run_rank
 from ako.strategies import Strategy
 
+ModelFn = Callable[[], nn.Module]  # a top-level function returning a fresh model
+Dataset = torch.utils.data.Dataset
+
 
 @dataclass
 class RunResult:
@@ -51,14 +54,8 @@ class RunResult:
         return self.workers[0].params
 
 
-def train(
-    config: TrainConfig,
-    *,
-    model_fn: Callable[[], nn.Module] | None = None,
-    train_set: torch.utils.data.Dataset | None = None,
-    test_set: torch.utils.data.Dataset | None = None,
-    strategy: Strategy | None = None,
-) -> RunResult:
+def train(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set: Dataset | None = None,
+          test_set: Dataset | None = None, strategy: Strategy | None = None) -> RunResult:  # fmt: skip
     """Train data-parallel as `config` says and return the summary and final replicas.
 
     model_fn: a top-level function returning a fresh `nn.Module` (default: `config.model` from
@@ -82,14 +79,8 @@ def train(
     return RunResult(results[0].summary, workers)
 
 
-def simulate(
-    config: TrainConfig,
-    *,
-    model_fn: Callable[[], nn.Module] | None = None,
-    train_set: torch.utils.data.Dataset | None = None,
-    test_set: torch.utils.data.Dataset | None = None,
-    strategy: Strategy | None = None,
-) -> RunResult:
+def simulate(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set: Dataset | None = None,
+             test_set: Dataset | None = None, strategy: Strategy | None = None) -> RunResult:  # fmt: skip
     """Run `config` on a simulated cluster in this process (docs/simulator.md):
     the same strategy programs with real gradients, time from the cost model.
 

@@ -24,22 +24,7 @@ from ako.run.worker import WorkerState
 from ako.runtime.base import compute, compute_partial, drive, run_blocking
 from ako.runtime.distributed import checkpoint
 from ako.runtime.distributed.mailbox import Mailbox, comm_error
-from ako.strategies.ops import (
-    AllReduce,
-    Compute,
-    ComputePartial,
-    Lost,
-    MeasureBandwidth,
-    MeasureStep,
-    PeerLost,
-    Poll,
-    Publish,
-    Pull,
-    Recv,
-    Send,
-    Snapshot,
-    Wait,
-)
+from ako.strategies import ops
 from ako.strategies.tags import FINAL, PROBE, REPORT, RUN_STOP, SNAPSHOT, SNAPSHOT_REQUEST
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -149,34 +134,34 @@ class DistributedRuntime:
         """Carry out one operation of `ako.strategies.ops` and return its result (a generator,
         as `base.drive` wants, that never yields: every wait blocks, within `timeout`)."""
         match op:
-            case Compute():
+            case ops.Compute():
                 return (yield from compute(self.state, self._gradient))
-            case ComputePartial(micro_batch, stop_tag, iteration):
+            case ops.ComputePartial(micro_batch, stop_tag, iteration):
                 return (yield from compute_partial(self.state, self._gradient, self._told_to_stop, micro_batch, stop_tag, iteration))
-            case Send(tensor, dst, tag, step, aux):
+            case ops.Send(tensor, dst, tag, step, aux):
                 if not (self.survives_loss and dst in self.mailbox.lost):
                     self.mailbox.send(tensor.cpu(), dst, tag, step, aux, drop_lost=self.survives_loss)
                 return None
-            case Recv(tag, src):
+            case ops.Recv(tag, src):
                 return self._to_device(self.receive(tag, src))
-            case Poll(tag):
+            case ops.Poll(tag):
                 return [self._to_device(m) for m in self.mailbox.poll(tag, tolerant=self.survives_loss)]
-            case Lost():
+            case ops.Lost():
                 with self.mailbox.cond:
                     self.mailbox.told.update(self.mailbox.lost)
                     return frozenset(self.mailbox.lost)
-            case Publish(tensor, step):
+            case ops.Publish(tensor, step):
                 self.mailbox.publish(tensor.detach().to("cpu", copy=True), step)
                 return None
-            case Pull(src):
+            case ops.Pull(src):
                 return self.pull(src)
-            case AllReduce(tensor, reduce, wait):
+            case ops.AllReduce(tensor, reduce, wait):
                 return self.all_reduce(tensor, reduce, wait=wait)
-            case Wait(handle):
+            case ops.Wait(handle):
                 return self._wait(handle)
-            case MeasureStep():
+            case ops.MeasureStep():
                 return self.measure_step()
-            case MeasureBandwidth():
+            case ops.MeasureBandwidth():
                 return self.measure_bandwidth()
         raise TypeError(f"unknown operation {op!r}")
 
@@ -192,15 +177,15 @@ class DistributedRuntime:
             with self.mailbox.cond:
                 self.mailbox.lost.setdefault(src, reason)
                 self.mailbox.told.add(src)
-            raise PeerLost(src, reason) from None
+            raise ops.PeerLost(src, reason) from None
 
-    def pull(self, src: int) -> Snapshot:
+    def pull(self, src: int) -> ops.Snapshot:
         """Request `src`'s published snapshot and wait for it (see `ops.Pull`)."""
         if src in self.mailbox.lost:
-            raise PeerLost(src, self.mailbox.lost[src])
+            raise ops.PeerLost(src, self.mailbox.lost[src])
         self.mailbox.send(torch.empty(0), src, SNAPSHOT_REQUEST, drop_lost=self.survives_loss)
         message = self.mailbox.get(SNAPSHOT, src, self.timeout)
-        return Snapshot(src, message.step, message.tensor.to(self.device))
+        return ops.Snapshot(src, message.step, message.tensor.to(self.device))
 
     def _told_to_stop(self, tag: int, iteration: int) -> bool:
         messages = self.mailbox.poll(tag, tolerant=self.survives_loss)
@@ -302,7 +287,7 @@ class DistributedRuntime:
                 if params is not None and report["role"] == "worker":
                     finals.append(self.mailbox.get(FINAL, peer, self.timeout).tensor)
                 reports.append(report)  # after its final: reports and finals stay in step
-            except PeerLost:
+            except ops.PeerLost:
                 if not self.survives_loss:
                     raise
         return reports, finals

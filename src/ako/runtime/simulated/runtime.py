@@ -36,22 +36,7 @@ from ako.runtime.base import compute, compute_partial, drive
 from ako.runtime.simulated.costs import Costs, Network, SharedHost
 from ako.run.outcome import rank_report
 from ako.run.worker import WorkerState
-from ako.strategies.ops import (
-    AllReduce,
-    Compute,
-    ComputePartial,
-    Lost,
-    MeasureBandwidth,
-    MeasureStep,
-    Message,
-    Poll,
-    Publish,
-    Pull,
-    Recv,
-    Send,
-    Snapshot,
-    Wait,
-)
+from ako.strategies import ops
 from ako.strategies.tags import SNAPSHOT
 
 class SimClock:
@@ -88,7 +73,7 @@ class SimClock:
 class Envelope:
     """A message in the simulated network, with the virtual time it was sent."""
 
-    message: Message
+    message: ops.Message
     sent_at: float
 
 
@@ -109,7 +94,7 @@ class Node:
     facts: dict | None = None
     collectives: int = 0  # all-reduces this rank has started
     snapshot: tuple[torch.Tensor, int] | None = None  # the last `Publish`: (params, step)
-    pullers: list[int] = field(default_factory=list)  # pulls that arrived before any Publish
+    pullers: list[int] = field(default_factory=list)  # pulls that arrived before any `Publish`
 
     def take(self, tag: int, src: int | None = None) -> Envelope | None:
         """The first delivered message with `tag` (from `src`, or anyone), removed; or None."""
@@ -119,7 +104,7 @@ class Node:
                 return queue.pop(i)
         return None
 
-    def take_all(self, tag: int) -> list[Message]:
+    def take_all(self, tag: int) -> list[ops.Message]:
         """Every delivered message with `tag`, removed, in delivery order."""
         return [e.message for e in self.inbox.pop(tag, [])]
 
@@ -167,38 +152,38 @@ class SimulatedRuntime:
         """Carry out one operation for `node` (a SimPy sub-process: `yield from` it); returns
         its result. Operations that take no virtual time return without yielding."""
         match op:
-            case Compute():
+            case ops.Compute():
                 return (yield from compute(node.state, lambda x, y, slow: self._gradient(node, x, y, slow)))
-            case ComputePartial(micro_batch, stop_tag, iteration):
+            case ops.ComputePartial(micro_batch, stop_tag, iteration):
                 return (yield from compute_partial(
                     node.state, lambda x, y, slow: self._gradient(node, x, y, slow),
                     lambda tag, it: any(m.step == it for m in node.take_all(tag)), micro_batch, stop_tag, iteration,
                 ))  # fmt: skip
-            case Send(tensor, dst, tag, step, aux):
-                self.send(node.rank, dst, Message(node.rank, tag, step, aux, tensor))
+            case ops.Send(tensor, dst, tag, step, aux):
+                self.send(node.rank, dst, ops.Message(node.rank, tag, step, aux, tensor))
                 return None
-            case Recv(tag, src):
+            case ops.Recv(tag, src):
                 return (yield from self.receive(node, tag, src))
-            case Poll(tag):
+            case ops.Poll(tag):
                 return node.take_all(tag)
-            case AllReduce(tensor, reduce, wait):
+            case ops.AllReduce(tensor, reduce, wait):
                 collective = self.start_all_reduce(node, tensor, reduce)
                 return (yield from self.wait(node, collective)) if wait else collective
-            case Wait(collective):
+            case ops.Wait(collective):
                 return (yield from self.wait(node, collective))
-            case Publish(tensor, step):
+            case ops.Publish(tensor, step):
                 node.snapshot = (tensor.detach().clone(), step)
                 for puller in node.pullers:
                     self._answer_pull(node, puller)
                 node.pullers.clear()
                 return None
-            case Pull(src):
+            case ops.Pull(src):
                 return (yield from self.pull(node, src))
-            case Lost():
+            case ops.Lost():
                 return frozenset()
-            case MeasureStep():
+            case ops.MeasureStep():
                 return self.costs.compute_seconds(self.batch_size)
-            case MeasureBandwidth():
+            case ops.MeasureBandwidth():
                 return self.costs.bandwidth
         raise TypeError(f"unknown operation {op!r}")
 
@@ -223,7 +208,7 @@ class SimulatedRuntime:
         yield self.env.timeout((slow - 1.0) * (self.env.now - start))
         node.compute_seconds += self.env.now - start
 
-    def send(self, src: int, dst: int, message: Message) -> None:
+    def send(self, src: int, dst: int, message: ops.Message) -> None:
         """Book `message` on the network and deliver it to `dst` when the model says."""
         nbytes = message.tensor.numel() * message.tensor.element_size()
         arrival = self.network.transmit(self.env.now, src, dst, nbytes)
@@ -246,7 +231,7 @@ class SimulatedRuntime:
         arrival = self.network.transmit(self.env.now, node.rank, src, 0)
         self.env.timeout(arrival - self.env.now).callbacks.append(lambda _: self._request_arrived(src, node.rank))
         m = yield from self.receive(node, SNAPSHOT, src)
-        return Snapshot(src, m.step, m.tensor.clone())
+        return ops.Snapshot(src, m.step, m.tensor.clone())
 
     def _request_arrived(self, src: int, puller: int) -> None:
         node = self.nodes[src]
@@ -257,7 +242,7 @@ class SimulatedRuntime:
 
     def _answer_pull(self, node: Node, puller: int) -> None:
         tensor, step = node.snapshot
-        self.send(node.rank, puller, Message(node.rank, SNAPSHOT, step, 0, tensor))
+        self.send(node.rank, puller, ops.Message(node.rank, SNAPSHOT, step, 0, tensor))
 
     def receive(self, node: Node, tag: int, src: int | None):
         """The next message with `tag` (from `src` or anyone), waiting for it if need be."""
