@@ -74,7 +74,7 @@ def _record_absp(op, result, log):
         log.setdefault("assignments", []).append(result.indices.clone())
         log.setdefault("processed", []).append(result.samples)
         log.setdefault("sums", []).append(result.grad_sum.clone())
-    elif isinstance(op, Recv) and op.tag == tags.PS_PARAMS:
+    elif isinstance(op, Recv) and op.tag == tags.PS_REPLY:
         log.setdefault("pulled", []).append(result.tensor.clone())
 
 

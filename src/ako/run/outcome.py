@@ -75,7 +75,8 @@ def final_summary(
     job: Job, data, state: WorkerState, reports: list[dict], finals, facts: dict, lost: list[int], run_dir: Path,
     resumed: int | None = None,
 ) -> dict:  # fmt: skip
-    """Rank 0, after training: evaluate, write summary.json, print the summary. `finals`: the
+    """Rank 0, after training: evaluate what is left and build the run's summary (`publish`
+    writes and prints it). `finals`: the
     live workers' final replicas (where replicas differ), in the order of their reports;
     their average is weighted by each worker's `average_weight` fact when it has one. `facts`:
     rank 0's program's; its `centre` is the model a strategy with a centre variable reports, and
@@ -100,9 +101,13 @@ def final_summary(
     summary["lost_ranks"] = lost
     summary["resumed_from_step"] = resumed
     summary["run_dir"] = str(run_dir)
+    return summary
+
+
+def publish(run_dir: Path, summary: dict, *more_lines: str) -> None:
+    """Write summary.json (atomically) and print the summary, then `more_lines`."""
     write_summary(run_dir, summary)
     try:
-        print(format_summary(summary), flush=True)
+        print("\n".join([format_summary(summary), *more_lines]), flush=True)
     except BrokenPipeError:  # stdout was closed (piped into head?): summary.json has it all
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return summary

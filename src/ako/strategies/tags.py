@@ -6,7 +6,7 @@ AKO_WINDOW = 0  # Ako: a partition's window of one step, and the final flush (au
 GOSSIP_PUSH = 1  # gossip push-sum: half of a worker's weighted parameters
 GOSSIP_DONE = 2  # gossip: the end-of-training handshake
 PS_PUSH = 10  # parameter servers: a worker's gradient (or update) shard
-PS_PARAMS = 11  # parameter servers: a server's parameter shard, sent back to a worker
+PS_REPLY = 11  # parameter servers: a server's reply to a push: its parameter shard (easgd: the elastic difference)
 ABSP_STOP = 12  # A-BSP: "stop after your current micro-batch"
 EASGD_CENTRE = 13  # EASGD: the centre variable, to rank 0 at the end
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ako.config import ConfigError, to_toml
 from ako.metrics import MetricsLog, write_atomic
 from ako.run.job import Job
-from ako.run.outcome import WorkerResult, final_summary, open_run_dir
+from ako.run.outcome import WorkerResult, final_summary, open_run_dir, publish
 from ako.run.worker import WorkerState
 from ako.runtime.distributed import checkpoint
 from ako.runtime.distributed.mailbox import comm_error
@@ -182,6 +182,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     if rank == 0:
         lost = sorted(runtime.mailbox.lost)
         summary = final_summary(job, data, state, reports, finals, facts, lost, run_dir, resumed=point)
+        publish(run_dir, summary)
     return WorkerResult(rank, replica.params.cpu().clone(), facts, summary), bool(runtime.mailbox.lost)
 
 

@@ -194,13 +194,13 @@ class DistributedRuntime:
     def _gradient(self, x: torch.Tensor, y: torch.Tensor, slow: float):
         """Gradient of one batch into the replica's buffer; a straggler then waits (slow - 1)
         times the compute time it took (the cluster model of docs/design.md). Returns the loss."""
+        yield from ()  # a generator, as `base.compute` takes one, that never yields: real time passes here
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         start = time.perf_counter()
         loss = self.state.replica.compute_gradient(x, y)
         if slow > 1.0:
             time.sleep((slow - 1.0) * (time.perf_counter() - start))
         return loss
-        yield  # a generator that never yields: `base.compute` lets time pass here
 
     def _to_device(self, message):
         if message.tensor.device == self.device:

@@ -315,7 +315,7 @@ class SimulatedRuntime:
         nic = self.network.nics[rank]
         return nic.bytes_up, nic.bytes_down
 
-    def rank_report(self, rank: int, end: float) -> dict:
+    def node_report(self, rank: int, end: float) -> dict:
         """Rank `rank`'s report for the summary (as `DistributedRuntime.gather_reports` gathers them),
         with its time accounts and NIC utilisation over `end` virtual seconds."""
         node, nic = self.nodes[rank], self.network.nics[rank]

@@ -13,9 +13,9 @@ import time
 import simpy
 import torch
 
-from ako.metrics import MetricsLog, write_summary
+from ako.metrics import MetricsLog
 from ako.run.job import Job
-from ako.run.outcome import WorkerResult, final_summary, open_run_dir
+from ako.run.outcome import WorkerResult, final_summary, open_run_dir, publish
 from ako.run.worker import WorkerState
 from ako.runtime.simulated.costs import Costs
 from ako.runtime.simulated.replicas import SharedReplicas
@@ -56,13 +56,12 @@ def simulate_job(job: Job, costs: Costs) -> tuple[dict, list[WorkerResult]]:
             runtime.start(rank, strategy.server, ServerContext(rank, rank - n, servers, list(range(n)), replica, config))
     runtime.run()
     end = env.now
-    reports = [runtime.rank_report(rank, end) for rank in range(world)]
+    reports = [runtime.node_report(rank, end) for rank in range(world)]
     facts = runtime.nodes[0].facts
     finals = [r.params for r in replicas[:n]] if strategy.replicas_differ else []
     summary = final_summary(job, data, runtime.nodes[0].state, reports, finals, facts, [], run_dir)
     summary["simulation"] = _simulation_facts(runtime, costs, reports, end, time.perf_counter() - started)
-    write_summary(run_dir, summary)
-    print(format_simulation(summary["simulation"]), flush=True)
+    publish(run_dir, summary, format_simulation(summary["simulation"]))
     workers = [WorkerResult(r, replicas[r].params.clone(), runtime.nodes[r].facts) for r in range(n)]
     workers[0].summary = summary
     return summary, workers

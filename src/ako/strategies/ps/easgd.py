@@ -26,7 +26,7 @@ from ako.checks import Integer, Number
 from ako.strategies.base import Option, Strategy
 from ako.strategies.ops import Compute, MeasureBandwidth, MeasureStep, PeerLost, Recv, Send
 from ako.strategies.ps.shard import SERVERS, Shard, check, pack, pull_shards, push_shards, staleness_summary, unpack
-from ako.strategies.tags import EASGD_CENTRE, PS_PARAMS, PS_PUSH
+from ako.strategies.tags import EASGD_CENTRE, PS_REPLY, PS_PUSH
 
 TAU_MAX = 1_000_000  # as --tau allows
 
@@ -100,7 +100,7 @@ def server(sctx):
         d = m.tensor.sub_(shard.params).mul_(alpha)
         shard.params.add_(d)
         shard.updated()
-        yield Send(d, m.src, PS_PARAMS, shard.version, vote)
+        yield Send(d, m.src, PS_REPLY, shard.version, vote)
         if vote:
             running.discard(m.src)
     yield Send(shard.params.clone(), sctx.workers[0], EASGD_CENTRE)

@@ -30,7 +30,7 @@ from ako.replica import FlatSGD, OptimizerConfig
 from ako.strategies.base import Option
 from ako.strategies.ops import Recv, Send
 from ako.strategies.partition import partition_bounds
-from ako.strategies.tags import PS_PARAMS, PS_PUSH
+from ako.strategies.tags import PS_REPLY, PS_PUSH
 
 
 def shards(numel: int, boundaries: list[int], servers: int) -> list[tuple[int, int]]:
@@ -74,7 +74,7 @@ def pull_shards(ctx, into: torch.Tensor):
     lowest version any server reported, and whether any told this worker to finish."""
     version, finish = None, False
     for server, (lo, hi) in zip(ctx.servers, _bounds(ctx)):
-        reply = yield Recv(PS_PARAMS, server)
+        reply = yield Recv(PS_REPLY, server)
         into[lo:hi].copy_(reply.tensor)
         version = reply.step if version is None else min(version, reply.step)
         finish = finish or bool(reply.aux)
@@ -132,7 +132,7 @@ class Shard:
 
     def reply(self, worker: int, finish: bool):
         """Send `worker` this shard's current parameters and whether it must finish."""
-        yield Send(self.params.clone(), worker, PS_PARAMS, self.version, int(finish))
+        yield Send(self.params.clone(), worker, PS_REPLY, self.version, int(finish))
 
     def state_dict(self) -> dict:
         """The shard's parameters, optimizer state, version and tallies, for a checkpoint."""
