@@ -27,8 +27,6 @@ class WorkerResult:
     summary: dict | None = None
 
 
-
-
 def rank_report(rank: int, state: WorkerState | None, facts: dict, sent: int, received: int) -> dict:
     """One rank's report for the summary (`per_worker`, and the servers' figures): its role,
     steps and samples (a server, whose `state` is None, has none), bytes sent and received, and
@@ -52,7 +50,6 @@ def open_run_dir(config, strategy: str, data) -> Path:
     if data.notice:
         print(f"ako: {data.notice}", file=sys.stderr)
     return run_dir
-
 
 
 def final_model(state: WorkerState, unflushed: torch.Tensor, final: dict, test_set) -> dict:

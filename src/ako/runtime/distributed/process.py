@@ -84,7 +84,6 @@ def _connect_store(host: str, port: int, world: int, timeout: float) -> dist.Sto
     return result[0]
 
 
-
 def pick_device(backend: str) -> tuple[str, torch.device]:
     """(process-group backend, device): NCCL and this process's GPU when CUDA is present and the
     backend is auto or nccl; otherwise Gloo on the CPU. Raises RuntimeError for nccl without CUDA."""

@@ -31,10 +31,9 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 _PROBE_BYTES = 4 << 20
 
 
-
 class WallClock:
-    """`ako.run.worker.Clock` on real time. Training seconds: wall time since `begin`, less the time spent in `paused` blocks
-    (evaluations), so time-to-accuracy counts training only."""
+    """`ako.run.worker.Clock` on real time. Training seconds: wall time since `begin`, less
+    the time spent in `pause` blocks (evaluations), so time to accuracy counts training only."""
 
     def __init__(self):
         self.start = time.perf_counter()
