@@ -11,7 +11,7 @@ rank can reach (one machine, or a shared file system).
 When: every `--checkpoint-every` seconds of training, rank 0 picks a step T a little ahead
 (a fifth of a second of its steps, at least 2, so its message reaches every rank first) and tells
 every rank. A worker saves at its first step boundary at or after T, a server at its first
-update at or after version T. Under the synchronous strategies (allreduce, bsp, absp) every
+update at or after version T; a call that comes while an earlier one is pending is dropped. Under the synchronous strategies (allreduce, bsp, absp) every
 rank is then at the same iteration, so a resumed run continues exactly where it was; under the
 others, each rank's state is its own at about that time.
 
@@ -157,10 +157,16 @@ class Checkpoints:
         self.due: int | None = None  # a server's: the step rank 0 called for
 
     def called(self, point: int) -> None:
-        """Rank 0's call for a checkpoint at step `point` arrived (the mailbox's callback)."""
-        self.due = point
-        if self.runtime.state is not None:
-            self.runtime.state.checkpoint_at = point
+        """Rank 0's call for a checkpoint at step `point` arrived (the mailbox's callback). A
+        call still pending (this rank has not reached its step yet) is kept and the newer one
+        dropped: under the asynchronous strategies a worker that lags rank 0 by more steps
+        than a call leads would otherwise meet a newer call before every step it was called
+        for, and never save a complete checkpoint."""
+        state = self.runtime.state
+        if state is not None and state.checkpoint_at is None:
+            state.checkpoint_at = point
+        elif state is None and self.due is None:
+            self.due = point
 
     def announce(self, point: int) -> None:
         """Rank 0: tell every other rank to save its part of the checkpoint at step `point`."""
