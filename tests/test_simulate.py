@@ -202,7 +202,8 @@ def test_cli_simulate_and_calibrate(tmp_path, capsys):
     assert main(["simulate", "--strategy", "bsp", "--workers", "2", "--profile", str(profile), *common]) == 0
     out = capsys.readouterr().out
     assert "virtual s" in out and "server rank 2" in out
-    for bad, word in [(["--latency", "5 parsecs"], "latency"), (["--profile", str(tmp_path / "none.toml")], "profile"),
+    for bad, word in [(["--latency", "5 parsecs"], "latency"), (["--latency", "1e400"], "at most 60 s"),
+                      (["--latency", "61s"], "at most 60 s"), (["--profile", str(tmp_path / "none.toml")], "profile"),
                       (["--batch-size", "32", "--profile", str(profile)], "batch_size")]:  # fmt: skip
         assert main(["simulate", *common, *bad]) == 2
         err = capsys.readouterr().err

@@ -29,6 +29,7 @@ PARAMETER_SERVER = tuple(name for name, s in REGISTRY.items() if s.server is not
 SIMULATE_OPTIONS = ("latency", "seconds_per_sample", "profile")
 TRAIN_OPTIONS = ("checkpoint_every", "resume")  # `ako train` only: the simulator does not fail
 BACKENDS = ("auto", "gloo", "nccl")
+MAX_LATENCY = 60.0  # seconds a message may take to arrive: more is no link
 
 
 @dataclass
@@ -138,12 +139,15 @@ def parse_duration(text: str) -> float:
 def parse_latency(text: str) -> float:
     """Parse a latency such as "100us", "0.5ms", "2e-4s" or "0.0001" (seconds).
 
-    Returns seconds (>= 0). Raises ConfigError for anything else."""
+    Returns seconds, from 0 to MAX_LATENCY. Raises ConfigError for anything else."""
     match = _LATENCY.match(str(text))
     if not match:
         raise ConfigError(f"latency {text!r}: expected a time like 100us, 0.5ms or 0.001s")
     value, unit = match.groups()
-    return float(value) * _TIME_UNITS[unit or "s"]
+    seconds = float(value) * _TIME_UNITS[unit or "s"]
+    if not seconds <= MAX_LATENCY:  # also infinity from a huge number
+        raise ConfigError(f"latency {text!r}: must be at most {MAX_LATENCY:g} s")
+    return seconds
 
 
 def load_toml(path: str | os.PathLike) -> dict:
