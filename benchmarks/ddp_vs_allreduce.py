@@ -39,7 +39,7 @@ def ddp_worker(dataset: str, steps: int) -> float:
     dist.barrier()
     start = time.perf_counter()
     for t in range(steps):
-        x, y = fetch(split.train, sampler.batch(t))
+        x, y = fetch(split.train, sampler.batch(t))  # the built-in data sets give (x, y)
         optimizer.zero_grad(set_to_none=False)
         F.cross_entropy(model(x), y).backward()
         optimizer.step()

@@ -3,6 +3,8 @@ the single-process SGD reference."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import signal
 import subprocess
@@ -15,7 +17,9 @@ import torch
 from ako import TrainConfig
 from ako.data import ShardSampler, fetch, load_dataset
 from ako.models import build_model
-from ako.replica import OptimizerConfig, Replica
+from ako.config import SIMULATE_OPTIONS, TRAIN_OPTIONS, validate
+from ako.optim import Optimization
+from ako.replica import Replica
 from ako.runtime.distributed import checkpoint
 from ako.strategies import STRATEGIES, Strategy, gossip
 from ako.strategies import ako as ako_strategy
@@ -50,21 +54,27 @@ def sum_gradients(op, result, log) -> None:
         log["grad_sum"] = log.get("grad_sum", 0) + result.grad.double()
 
 
+def make_replica(model, config: TrainConfig, steps: int = 1000) -> Replica:
+    """A replica of `model` with `config`'s optimizer (and schedule over `steps` steps)."""
+    plain = dataclasses.replace(config, **{k: None for k in SIMULATE_OPTIONS + TRAIN_OPTIONS})  # either runtime's
+    return Replica(model, Optimization(validate(plain), steps))
+
+
 def single_process_sgd(config: TrainConfig, steps: int, ranks=None) -> torch.Tensor:
     """Flat parameters after `steps` steps of SGD on the union of the mini-batches of workers
     `ranks` (default: all; each step: their batches of that step, concatenated)."""
     split = load_dataset(config.dataset, config.data_dir, config.train_samples, config.test_samples)
     torch.manual_seed(config.seed)
     model = build_model(config.model, split.input_shape, split.num_classes)
-    replica = Replica(model, OptimizerConfig(config.lr, config.momentum, config.nesterov, config.weight_decay))
+    planned = max(1, round(config.epochs * (len(split.train) // config.workers // config.batch_size)))
+    replica = make_replica(model, config, planned)  # the schedule spans the run's planned steps
     samplers = [
         ShardSampler(len(split.train), r, config.workers, config.batch_size, config.seed)
         for r in (range(config.workers) if ranks is None else ranks)
     ]
     for t in range(steps):
         idx = torch.cat([s.batch(t) for s in samplers])
-        x, y = fetch(split.train, idx)
-        replica.compute_gradient(x, y)
+        replica.compute_gradient([fetch(split.train, idx)])
         replica.step(replica.grad.clone())
     return replica.params.clone()
 
@@ -90,7 +100,8 @@ def digits_cnn() -> torch.nn.Module:
 def _perturbed_lr0(ctx):
     """Gossip with learning rate 0 from replicas made different on purpose (noise of std 0.05
     seeded by the rank), so that only the averaging moves them. Facts add the initial replica."""
-    ctx.replica.optimizer.optim = replace(ctx.replica.optimizer.optim, lr=0.0)
+    for group in ctx.replica.optimizer.optimizer.param_groups:
+        group["lr"] = 0.0
     noise = torch.randn(ctx.replica.numel, generator=torch.Generator().manual_seed(1000 + ctx.rank))
     ctx.replica.params.add_(noise, alpha=0.05)
     initial = ctx.replica.params.clone()

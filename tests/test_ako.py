@@ -100,7 +100,8 @@ def _check_conservation(run, tmp_path, exchange, partitions, staleness, **costs)
 
 
 def _lr0(ctx):
-    ctx.replica.optimizer.optim = replace(ctx.replica.optimizer.optim, lr=0.0)
+    for group in ctx.replica.optimizer.optimizer.param_groups:
+        group["lr"] = 0.0
     return (yield from ako_strategy.worker(ctx))
 
 

@@ -12,12 +12,11 @@ import torch
 import ako
 from ako.data import ShardSampler, fetch, load_dataset
 from ako.models import build_model
-from ako.replica import OptimizerConfig, Replica
 from ako.runtime.distributed import checkpoint
 from ako.strategies import STRATEGIES, tags
 from ako.strategies.ops import Compute, ComputePartial, Recv, Send
 from ako.strategies.ps.ssp import WARMUP_CLOCKS
-from helpers import recorded, single_process_sgd, small_config
+from helpers import make_replica, recorded, single_process_sgd, small_config
 
 
 def final_params(result):
@@ -168,14 +167,13 @@ def test_easgd_elastic_updates_match_the_paper_on_one_worker(tmp_path):
     result = ako.train(config)
     split = load_dataset(config.dataset, config.data_dir, config.train_samples, config.test_samples)
     torch.manual_seed(config.seed)
-    optim = OptimizerConfig(config.lr, config.momentum, config.nesterov, config.weight_decay)
-    replica = Replica(build_model(config.model, split.input_shape, split.num_classes), optim)
+    replica = make_replica(build_model(config.model, split.input_shape, split.num_classes), config)
     centre = replica.params.clone()
     sampler = ShardSampler(len(split.train), 0, 1, config.batch_size, config.seed)
     steps = result.summary["iterations"]
     assert steps == 6
     for t in range(1, steps + 1):
-        replica.compute_gradient(*fetch(split.train, sampler.batch(t - 1)))
+        replica.compute_gradient([fetch(split.train, sampler.batch(t - 1))])
         replica.step(replica.grad.clone())
         if t % config.tau == 0 or t == steps:
             d = config.beta * (replica.params - centre)
@@ -195,7 +193,7 @@ def test_a_resume_continues_from_the_workers_momentum(tmp_path, strategy):
     run_dir = whole.summary["run_dir"]
     point = checkpoint.latest(run_dir, 2)
     assert point is not None and 0 < point < whole.summary["iterations"]
-    saved = checkpoint.load(run_dir, point, 0)["optimizer"]["momentum_buffer"]
+    saved = checkpoint.load(run_dir, point, 0)["optimizer"]["optimizer"]["state"][0]["momentum_buffer"]
     assert saved is not None and saved.abs().sum() > 0
     resumed = ako.train(dataclasses.replace(config, resume=run_dir))
     assert resumed.summary["resumed_from_step"] == point

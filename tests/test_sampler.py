@@ -140,6 +140,9 @@ def test_fetch_fast_path_matches_generic():
     assert torch.equal(fast_x, x[indices]) and torch.equal(fast_y, y[indices])
 
 
-def test_fetch_rejects_wrong_tensor_count():
-    with pytest.raises(ValueError, match="3 tensors"):
-        fetch(TensorDataset(torch.zeros(3), torch.zeros(3), torch.zeros(3)), torch.tensor([0]))
+def test_fetch_gives_every_tensor_of_a_tensor_dataset_and_uses_a_collate_fn():
+    a, b, c = torch.arange(6.0), torch.arange(6) * 10, torch.arange(6) * 100
+    indices = torch.tensor([4, 1])
+    assert [t.tolist() for t in fetch(TensorDataset(a, b, c), indices)] == [[4.0, 1.0], [40, 10], [400, 100]]
+    batch = fetch(TensorDataset(a, b), indices, collate_fn=lambda items: {"n": len(items), "first": items[0]})
+    assert batch["n"] == 2 and batch["first"][1].item() == 40

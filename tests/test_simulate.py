@@ -15,10 +15,10 @@ import torch
 import ako
 from ako.cli import main
 from ako.models import build_model
-from ako.replica import OptimizerConfig, Replica
+from ako.config import TrainConfig
 from ako.runtime.simulated.costs import Costs, SharedHost
 from ako.strategies.partition import partition_bounds
-from helpers import single_process_sgd, small_config
+from helpers import make_replica, single_process_sgd, small_config
 
 NUMEL = 22_602  # the cnn on 8x8 digits
 G = NUMEL * 4  # bytes of one flat gradient
@@ -90,7 +90,7 @@ def test_ako_two_partitions_lock_step_schedule(tmp_path):
     and waits for the peer's, s_t / B + latency later; then both flush the whole accumulator
     (G / B + latency)."""
     result = simulate(tmp_path, strategy="ako", partitions=2, staleness=0, **COSTS)
-    replica = Replica(build_model("cnn", (1, 8, 8), 10), OptimizerConfig(0.1))
+    replica = make_replica(build_model("cnn", (1, 8, 8), 10), TrainConfig())
     sizes = [(hi - lo) * 4 for lo, hi in partition_bounds(NUMEL, 2, replica.boundaries)]
     expected = sum(C + sizes[t % 2] / B + LAT for t in range(STEPS)) + G / B + LAT
     assert virtual(result) == pytest.approx(expected, rel=1e-12)
@@ -236,8 +236,8 @@ def test_a_diverged_average_still_gives_a_summary():
     from ako.metrics import build_summary, finite
 
     report = {"rank": 0, "role": "worker", "steps": 3, "samples": 30, "bytes_sent": 0, "bytes_received": 0}
-    final = {"epoch": 1.0, "test_accuracy": 0.1, "test_loss": float("nan")}
-    summary = build_summary("ako", ako.TrainConfig(), "digits", [report], [], final, (float("nan"), 0.1), 1.0, 1.0)
+    final = {"epoch": 1.0, "test_accuracy": 0.1, "test_loss": 2.3, "average_accuracy": 0.1, "average_loss": float("nan")}
+    summary = build_summary("ako", ako.TrainConfig(), "digits", [report], [], final, True, 1.0, 1.0)
     assert summary["average_loss"] is None and summary["average_accuracy"] == 0.1
     json.dumps(finite(summary), allow_nan=False)  # as write_summary writes it
 

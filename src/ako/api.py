@@ -10,23 +10,27 @@ elastic agent) the calling process is one worker, with the rank and world size t
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from ako.config import ConfigError, TrainConfig, validate
+from ako.config import FIELDS, ConfigError, TrainConfig, load_toml, validate
+from ako.optim import OptimizerFn, SchedulerFn
+from ako.replica import EvalFn, LossFn
 from ako.run.job import Job
-from ako.run.outcome import WorkerResult
+from ako.run.outcome import MODEL_FILE, WorkerResult
 from ako.runtime.distributed import checkpoint
 from ako.runtime.distributed.launcher import launch, under_elastic_agent
 from ako.runtime.distributed.process import run_rank
 from ako.strategies import Strategy
 
 ModelFn = Callable[[], nn.Module]  # a top-level function returning a fresh model
-Dataset = torch.utils.data.Dataset
+Dataset = torch.utils.data.Dataset | torch.utils.data.DataLoader
 
 
 @dataclass
@@ -40,34 +44,50 @@ class RunResult:
 
     @property
     def model(self) -> torch.Tensor | None:
-        """The model the run hands back, flat (numel,): rank 0's final replica; under `easgd`
-        the centre variable; under `ako` the better of the replicas after the flush and rank 0's
-        replica before it (`summary["final_model"]` says which). None where this process is
+        """The model the run hands back (the one in model.pt), flat (numel,): rank 0's final
+        replica; under `easgd` the centre variable; where replicas differ (gossip) their
+        average; under `ako` the better of the replicas after the flush and rank 0's replica
+        before it (`summary["saved_model"]["source"]` says which). None where this process is
         not rank 0."""
         if self.summary is None or not self.workers or self.workers[0].rank != 0:
             return None
-        facts = self.workers[0].facts
-        if self.summary.get("final_model", {}).get("source") == "rank 0's replica before the flush":
-            return torch.as_tensor(facts["unflushed"])
-        if facts.get("centre") is not None:
-            return torch.as_tensor(facts["centre"])
-        return self.workers[0].params
+        return self.workers[0].model
 
 
 def train(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set: Dataset | None = None,
-          test_set: Dataset | None = None, strategy: Strategy | None = None) -> RunResult:  # fmt: skip
+          test_set: Dataset | None = None, loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None,
+          optimizer_fn: OptimizerFn | None = None, scheduler_fn: SchedulerFn | None = None,
+          collate_fn: Callable | None = None, strategy: Strategy | None = None, keep_saved: bool = True) -> RunResult:  # fmt: skip
     """Train data-parallel as `config` says and return the summary and final replicas.
 
-    model_fn: a top-level function returning a fresh `nn.Module` (default: `config.model` from
-        the registry). train_set/test_set: map-style data sets of (x, label) pairs (default:
-        `config.dataset`). strategy: a custom `Strategy` (default: `config.strategy`). With
-        several local processes these are pickled to each worker, and a script that calls
-        `train` needs an `if __name__ == "__main__":` guard (processes are spawned).
+    model_fn: a top-level function returning a fresh `nn.Module` (default: `config.model`).
+    train_set/test_set: map-style data sets, or DataLoaders (their data set, collate
+        function, batch size and num_workers are used; each worker still gets its own shard,
+        reshuffled every epoch; a DataLoader with its own sampler is refused). Default:
+        `config.dataset`.
+    loss_fn(model, batch) -> scalar loss tensor; batch is what the collate function makes
+        (default: mean cross-entropy of model(x) against y for (x, y) batches).
+    eval_fn(model, batch) -> {metric: mean over the batch} (default: loss and accuracy);
+        each metric is averaged over the test set and logged as test_<metric>, and
+        `config.target` may name any of them.
+    optimizer_fn(params) -> torch.optim.Optimizer, for a list of one flat tensor (numel,);
+        scheduler_fn(optimizer) -> torch.optim.lr_scheduler.LRScheduler, stepped once per
+        optimizer step (defaults: `config.optimizer`, `config.lr_schedule`).
+    collate_fn(list of samples) -> batch (default: torch's default_collate).
+    strategy: a custom `Strategy` (default: `config.strategy`).
+    keep_saved: with `config.resume`, settings left at their defaults take the run's saved
+        values (config.toml of that run directory).
+    With several local processes these are pickled to each worker: give top-level functions,
+    and guard a script that calls `train` with `if __name__ == "__main__":` (processes are
+    spawned).
 
     Raises ConfigError or DataError (bad input, before any process starts) and WorkerFailed
     (a worker died or lost a peer; the message names the rank).
     """
-    job = Job(validate(config), strategy, model_fn, train_set, test_set)
+    if keep_saved and config.resume is not None:
+        config = with_saved(config)
+    job = Job(validate(config), strategy, model_fn, train_set, test_set, loss_fn, eval_fn, optimizer_fn,
+              scheduler_fn, collate_fn)  # fmt: skip
     if under_elastic_agent():
         result = run_rank(job)
         return RunResult(result.summary, [result])
@@ -79,8 +99,55 @@ def train(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set: Da
     return RunResult(results[0].summary, workers)
 
 
+def with_saved(config: TrainConfig) -> TrainConfig:
+    """`config` with every setting left at its default taken from `config.resume`'s saved
+    config.toml (a resumed run keeps its settings unless told otherwise). Raises ConfigError
+    when that directory holds no config.toml."""
+    path = os.path.join(str(config.resume), "config.toml")
+    if not os.path.isfile(path):
+        raise ConfigError(f"resume {config.resume!r}: not a run directory (no config.toml in it)")
+    saved = load_toml(path)
+    kept = {k: v for k, v in saved.items() if k != "resume" and getattr(config, k) == FIELDS[k].default}
+    return dataclasses.replace(config, **kept)
+
+
+def load_model(run_dir: str | os.PathLike, model_fn: ModelFn | None = None) -> nn.Module:
+    """The model a finished run handed back: its module (from `model_fn`, else the run's
+    config.toml: a built-in model or `package.module:factory`) with the state_dict of
+    `run_dir`/model.pt loaded, in eval mode. model.pt is a plain state_dict: without ako,
+    `model.load_state_dict(torch.load(path))` does the same. Raises ConfigError when the run
+    directory has no model.pt or the module does not match it."""
+    import json
+
+    from ako.models import build_model
+    from ako.run.imports import import_factory, is_spec
+
+    run_dir = str(run_dir)
+    path = os.path.join(run_dir, MODEL_FILE)
+    if not os.path.isfile(path):
+        raise ConfigError(f"run directory {run_dir!r}: no {MODEL_FILE} (the run did not finish)")
+    name = load_toml(os.path.join(run_dir, "config.toml")).get("model", "cnn")
+    if model_fn is not None:
+        model = model_fn()
+    elif is_spec(name):
+        model = import_factory("model", name)()
+    elif name == "custom":
+        raise ConfigError(f"run directory {run_dir!r}: its model was a model_fn of __main__: pass it as model_fn")
+    else:
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            saved = json.load(f)["saved_model"]
+        model = build_model(name, tuple(saved["input_shape"]), saved["num_classes"])
+    try:
+        model.load_state_dict(torch.load(path, weights_only=True))
+    except RuntimeError as e:
+        raise ConfigError(f"{path}: does not fit the model: {str(e).splitlines()[0][:200]}") from None
+    return model.eval()
+
+
 def simulate(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set: Dataset | None = None,
-             test_set: Dataset | None = None, strategy: Strategy | None = None) -> RunResult:  # fmt: skip
+             test_set: Dataset | None = None, loss_fn: LossFn | None = None, eval_fn: EvalFn | None = None,
+             optimizer_fn: OptimizerFn | None = None, scheduler_fn: SchedulerFn | None = None,
+             collate_fn: Callable | None = None, strategy: Strategy | None = None) -> RunResult:  # fmt: skip
     """Run `config` on a simulated cluster in this process (docs/simulator.md):
     the same strategy programs with real gradients, time from the cost model.
 
@@ -99,7 +166,7 @@ def simulate(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set:
     from ako.runtime.simulated.simulate import simulate_job
 
     config = validate(config, simulated=True)
-    job = Job(config, strategy, model_fn, train_set, test_set)
+    job = Job(config, strategy, model_fn, train_set, test_set, loss_fn, eval_fn, optimizer_fn, scheduler_fn, collate_fn)
     data, _ = job.check()
     sps, shared = config.seconds_per_sample, ()
     if config.profile is not None:

@@ -7,8 +7,10 @@ import argparse
 import os
 import signal
 import sys
+import tomllib
 
 from ako.config import FIELDS, STRATEGIES, ConfigError, TrainConfig, load_toml, validate
+from ako.optim import OPTIMIZERS
 from ako.strategies import STRATEGIES as REGISTRY
 
 EXIT_BAD_INPUT, EXIT_FAILED = 2, 1
@@ -37,19 +39,35 @@ def _strategy_flags() -> dict:
 _FLAGS = {
     "strategy": (f"synchronisation strategy: {', '.join(STRATEGIES)}", {}),
     "workers": ("number of workers (under torchrun: the world size less --servers)", {}),
-    "dataset": ("fashion-mnist, mnist, digits, or auto (fashion-mnist if found, else digits)", {}),
+    "dataset": ("fashion-mnist, mnist, digits, auto (fashion-mnist if found, else digits), or your own as "
+                "package.module:factory (a function returning the train and test sets)", {}),
     "data_dir": ("directory with the IDX files (else $AKO_DATA_DIR, else /usr/share/datasets/<name>)", {}),
     "train_samples": ("use only the first N training examples", {}),
     "test_samples": ("use only the first N test examples", {}),
-    "model": ("mlp, cnn or resnet", {}),
-    "batch_size": ("mini-batch size per worker", {}),
-    "lr": ("learning rate (of the averaged gradient, for every strategy)", {}),
-    "momentum": ("SGD momentum", {}),
-    "nesterov": ("Nesterov momentum (default: on)", {"action": argparse.BooleanOptionalAction}),
-    "weight_decay": ("L2 weight decay", {}),
+    "model": ("mlp, cnn, resnet, or your own as package.module:factory (a function returning an nn.Module)", {}),
+    "batch_size": ("mini-batch size per worker (per micro-batch with --accumulate)", {}),
+    "accumulate": ("micro-batches per optimizer step (gradient accumulation)", {}),
+    "num_workers": ("data-loading processes per worker (as DataLoader's num_workers)", {}),
+    "precision": ("fp32, bf16 (autocast) or fp16 (autocast and a loss scale; CUDA only)", {}),
+    "optimizer": (f"a torch.optim optimizer: {', '.join(OPTIMIZERS)}", {}),
+    "optimizer_args": ("another setting of the optimizer, e.g. betas=0.9,0.95 or eps=1e-6; repeatable",
+                       {"action": "append", "metavar": "KEY=VALUE"}),
+    "lr": ("learning rate of the averaged gradient, for every strategy (default: 0.1 for sgd, else torch's)", {}),
+    "momentum": ("momentum of sgd or rmsprop (default: 0.9 for sgd)", {}),
+    "nesterov": ("Nesterov momentum of sgd (default: on)", {"action": argparse.BooleanOptionalAction}),
+    "weight_decay": ("weight decay (default: 5e-4 for sgd, else torch's)", {}),
+    "lr_schedule": ("learning-rate schedule, stepped every optimizer step: constant, step, cosine or linear", {}),
+    "warmup": ("linear warm-up of the learning rate: optimizer steps (500) or epochs (0.5epochs)", {}),
+    "lr_scaling": ("linear: multiply the learning rate by the number of workers (Goyal et al. 2017); or none", {}),
+    "lr_gamma": ("step schedule: multiply the learning rate by this", {}),
+    "lr_decay_epochs": ("step schedule: every this many epochs", {}),
     "epochs": ("stop after this many epochs (may be fractional)", {}),
     "max_time": ("stop after this many seconds of training", {}),
     "target_accuracy": ("stop when rank 0's test accuracy reaches this fraction, e.g. 0.85", {}),
+    "target": ("stop when an evaluated metric passes a bound, e.g. loss<=0.3 or accuracy>=0.9", {}),
+    "loss_fn": ("your training loss, package.module:function (model, batch) -> loss (default: cross-entropy)", {}),
+    "eval_fn": ("your evaluation, package.module:function (model, batch) -> {metric: value} (default: loss, accuracy)", {}),
+    "collate_fn": ("your collate function, package.module:function (list of samples) -> batch", {}),
     "eval_every": ("evaluate every this many epochs", {}),
     **_strategy_flags(),
     "straggler": (
@@ -83,7 +101,8 @@ def _add_flags(command: argparse.ArgumentParser, flags: dict) -> None:
     for name, (text, extra) in flags.items():
         default = FIELDS[name].default
         shown = "" if default is None or extra else f" (default: {default})"
-        command.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=text + shown, **extra)
+        flag = "--optimizer-arg" if name == "optimizer_args" else "--" + name.replace("_", "-")
+        command.add_argument(flag, dest=name, default=None, help=text + shown, **extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--config", metavar="FILE", help="TOML file of settings; flags override it")
         _add_flags(command, _FLAGS)
         command.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: only on a terminal)")
+        command.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
+                             help="also write the evaluations as TensorBoard event files in the run directory")  # fmt: skip
     _add_flags(simulate, _SIMULATE_FLAGS)
     _add_flags(train, _TRAIN_FLAGS)
     calibrate = commands.add_parser(
@@ -145,8 +166,25 @@ def config_from_args(args: argparse.Namespace, simulated: bool = False) -> Train
     for name in FIELDS:
         given = getattr(args, name, None)
         if given is not None:
-            values[name] = _none(name, given)
+            values[name] = _settings(given) if name == "optimizer_args" else _none(name, given)
     return validate(TrainConfig(**values), simulated)
+
+
+def _settings(pairs: list[str]) -> dict:
+    """`--optimizer-arg betas=0.9,0.95 --optimizer-arg amsgrad=true` as a dict, each value read as
+    TOML (numbers, true/false, a comma-separated list), else kept as text."""
+    settings = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"optimizer-arg {pair!r}: expected KEY=VALUE, like betas=0.9,0.95")
+        text = text.strip()
+        try:
+            value = tomllib.loads(f"v = [{text}]" if "," in text else f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text
+        settings[key.strip()] = value
+    return settings
 
 
 def _none(name: str, value):
@@ -180,7 +218,7 @@ def cmd_train(config: TrainConfig) -> int:
     from ako.runtime.distributed.launcher import EXPECTED_FAILURES, WorkerFailed, one_line, under_elastic_agent
 
     try:
-        train(config)
+        train(config, keep_saved=False)  # the flags are merged with the saved settings already
     except (ConfigError, DataError):
         raise
     except WorkerFailed as e:

@@ -13,6 +13,7 @@ import os
 import re
 import tomllib
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import tomli_w
 import torch
@@ -43,14 +44,28 @@ class TrainConfig:
     train_samples: int | None = None  # use only the first k training examples (quick runs)
     test_samples: int | None = None
     model: str = "cnn"
-    batch_size: int = 64  # per worker
-    lr: float = 0.1  # learning rate of the averaged gradient, for every strategy
-    momentum: float = 0.9
-    nesterov: bool = True  # Nesterov momentum (when momentum > 0)
-    weight_decay: float = 5e-4
+    batch_size: int = 64  # per worker, per micro-batch (`accumulate` of them per optimizer step)
+    accumulate: int = 1  # micro-batches per optimizer step (gradient accumulation)
+    num_workers: int = 0  # data-loading processes per worker (torch DataLoader's num_workers)
+    precision: str = "fp32"  # "bf16" (autocast) or "fp16" (autocast and a loss scale; CUDA only)
+    optimizer: str = "sgd"  # a torch.optim optimizer by name (ako.optim.OPTIMIZERS)
+    lr: float | None = None  # of the averaged gradient; None = sgd's 0.1, else torch's default
+    momentum: float | None = None  # None = sgd's 0.9 (optimizers that take it)
+    nesterov: bool | None = None  # Nesterov momentum; None = sgd's true
+    weight_decay: float | None = None  # None = sgd's 5e-4, else torch's default
+    optimizer_args: dict | None = None  # the optimizer's other settings, e.g. {betas = [0.9, 0.95]}
+    lr_schedule: str = "constant"  # "step", "cosine" or "linear", stepped once per optimizer step
+    warmup: str | None = None  # linear warm-up: optimizer steps ("500") or epochs ("0.5epochs")
+    lr_scaling: str = "none"  # "linear": lr x workers (Goyal et al. 2017)
+    lr_gamma: float = 0.1  # step schedule: the factor every lr_decay_epochs
+    lr_decay_epochs: float = 1.0  # step schedule: epochs between decays
     epochs: float = 2.0
     max_time: float | None = None  # seconds of training
     target_accuracy: float | None = None  # stop when rank 0's test accuracy reaches it
+    target: str | None = None  # stop when an evaluated metric passes a bound, e.g. "loss<=0.3"
+    loss_fn: str | None = None  # your training loss as "package.module:function" (model, batch) -> loss
+    eval_fn: str | None = None  # your evaluation, "package.module:function" (model, batch) -> {metric: value}
+    collate_fn: str | None = None  # your collate function, "package.module:function" (samples) -> batch
     eval_every: float = 0.5  # epochs between evaluations
     partitions: int | str = "auto"  # ako: p, or "auto"
     exchange: str = "auto"  # ako: how windows travel: "all-to-all", "ring", or "auto" (by the number of workers)
@@ -68,6 +83,7 @@ class TrainConfig:
     backend: str = "auto"
     out_dir: str = "runs"
     progress: bool | None = None  # progress bar: None = only on a terminal
+    tensorboard: bool = False  # also write the evaluations as TensorBoard event files (run_dir/tensorboard)
     # `ako train` only (TRAIN_OPTIONS): checkpoints and resuming from them
     checkpoint_every: str | None = None  # e.g. "30s" or "5min"; None = no checkpoints
     resume: str | None = None  # a run directory to continue from its last complete checkpoint
@@ -75,6 +91,19 @@ class TrainConfig:
     latency: str | None = None  # e.g. "100us"; None = 0
     seconds_per_sample: float | None = None  # forward+backward seconds per sample of one worker
     profile: str | None = None  # a cluster profile written by `ako calibrate`
+
+    @property
+    def step_samples(self) -> int:
+        """Samples a worker takes per optimizer step: batch_size x accumulate."""
+        return self.batch_size * self.accumulate
+
+    @property
+    def goal(self) -> Target | None:
+        """The run's target as (metric, comparison, value): `target`, or `target_accuracy` as
+        accuracy >= value; None when the run has none."""
+        if self.target is not None:
+            return parse_target(self.target)
+        return None if self.target_accuracy is None else Target("accuracy", ">=", self.target_accuracy)
 
     @property
     def bandwidth_bytes(self) -> float | None:
@@ -93,6 +122,37 @@ class TrainConfig:
 
 
 FIELDS = {f.name: f for f in fields(TrainConfig)}
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+class Target(NamedTuple):
+    """A bound on an evaluated metric: `metric` (a key of the evaluation, e.g. "accuracy"),
+    `op` ">=" or "<=", `value`."""
+
+    metric: str
+    op: str
+    value: float
+
+    def met(self, metrics: dict) -> bool:
+        """Whether `metrics` (name -> value) meets the bound (a missing metric does not)."""
+        x = metrics.get(self.metric)
+        if not isinstance(x, (int, float)) or not math.isfinite(x):
+            return False
+        return x >= self.value if self.op == ">=" else x <= self.value
+
+    def __str__(self) -> str:
+        return f"{self.metric}{self.op}{self.value:g}"
+
+
+_TARGET = re.compile(r"^\s*([A-Za-z_]\w*)\s*(<=|>=)\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*$")
+
+
+def parse_target(text: str) -> Target:
+    """Parse a target such as "accuracy>=0.85" or "loss<=0.3". Raises ConfigError."""
+    match = _TARGET.match(str(text))
+    if not match:
+        raise ConfigError(f"target {show(text)}: expected a metric, >= or <=, and a number, like loss<=0.3 or accuracy>=0.85")
+    return Target(match.group(1), match.group(2), float(match.group(3)))
 
 _UNITS = {"bit": 1 / 8, "b": 1 / 8, "byte": 1, "B": 1}
 _PREFIX = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
@@ -191,12 +251,18 @@ def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
     for name in ("strategy", "dataset", "model", "backend", "out_dir"):
         if not isinstance(getattr(c, name), str) or not getattr(c, name):
             raise ConfigError(f"{name} {show(getattr(c, name))}: must be a non-empty string")
+    for name in ("loss_fn", "eval_fn", "collate_fn"):
+        if getattr(c, name) is not None and not (isinstance(getattr(c, name), str) and ":" in getattr(c, name)):
+            raise ConfigError(f"{name} {show(getattr(c, name))}: expected package.module:function")
     if c.data_dir is not None and not isinstance(c.data_dir, str):
         raise ConfigError(f"data_dir {show(c.data_dir)}: must be a directory path")
     choice("strategy", c.strategy, STRATEGIES)
-    choice("model", c.model, MODELS)
-    choice("data set", c.dataset, DATASETS)
+    if ":" not in c.model:  # else the user's package.module:factory, imported by the job
+        choice("model", c.model, MODELS)
+    if ":" not in c.dataset:
+        choice("data set", c.dataset, DATASETS)
     choice("backend", c.backend, BACKENDS)
+    _validate_training(c)
     for option in {o.name: o for s in REGISTRY.values() for o in s.options if o.choices}.values():
         choice(option.name, getattr(c, option.name), option.choices)
     if c.backend == "nccl" and not torch.cuda.is_available():
@@ -215,9 +281,6 @@ def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
     for name in ("train_samples", "test_samples"):
         if getattr(c, name) is not None:
             setattr(c, name, integer(name, getattr(c, name), low=1))
-    c.lr = number("lr", c.lr, low=0.0, high=1000.0, low_open=True)
-    c.momentum = number("momentum", c.momentum, low=0.0, high=1.0, high_open=True)
-    c.weight_decay = number("weight_decay", c.weight_decay, low=0.0, high=1.0)
     c.epochs = number("epochs", c.epochs, low=0.0, high=1e6, low_open=True)
     c.eval_every = number("eval_every", c.eval_every, low=0.0, high=1e6, low_open=True)
     c.timeout = number("timeout", c.timeout, low=1.0, high=86400.0)
@@ -225,15 +288,56 @@ def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
         c.max_time = number("max_time", c.max_time, low=0.0, high=1e9, low_open=True)
     if c.target_accuracy is not None:
         c.target_accuracy = number("target_accuracy", c.target_accuracy, low=0.0, high=1.0, low_open=True)
+    if c.target is not None:
+        if c.target_accuracy is not None:
+            raise ConfigError(f"target {show(c.target)}: give target or target_accuracy, not both")
+        c.target = str(parse_target(c.target))
     if c.bandwidth is not None:
         c.bandwidth = str(c.bandwidth)
         parse_bandwidth(c.bandwidth)
     _validate_cluster(c)
-    if not isinstance(c.nesterov, bool):
-        raise ConfigError(f"nesterov {show(c.nesterov)}: must be true or false")
-    if c.progress is not None and not isinstance(c.progress, bool):
-        raise ConfigError(f"progress {show(c.progress)}: must be true or false")
+    for name in ("progress", "tensorboard"):
+        if getattr(c, name) is not None and not isinstance(getattr(c, name), bool):
+            raise ConfigError(f"{name} {show(getattr(c, name))}: must be true or false")
     return c
+
+
+def _validate_training(c: TrainConfig) -> None:
+    """The optimizer, its schedule, precision, accumulation and data loading; fills in the
+    optimizer's defaults (ako's for sgd, torch's for the others: `ako.optim`)."""
+    from ako.optim import LR_SCALINGS, OPTIMIZERS, SCHEDULES, optimizer_kwargs, optimizer_settings, parse_warmup
+
+    choice("optimizer", c.optimizer, OPTIMIZERS)
+    choice("lr_schedule", c.lr_schedule, SCHEDULES)
+    choice("lr_scaling", c.lr_scaling, LR_SCALINGS)
+    choice("precision", c.precision, PRECISIONS)
+    if c.precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("precision 'fp16' needs CUDA (its loss scale is for GPUs), and there is none here: use bf16")
+    if c.optimizer_args is not None and not isinstance(c.optimizer_args, dict):
+        raise ConfigError(f"optimizer_args {show(c.optimizer_args)}: must be a table of settings, like {{betas = [0.9, 0.95]}}")
+    if c.lr is not None:
+        c.lr = number("lr", c.lr, low=0.0, high=1000.0, low_open=True)
+    if c.momentum is not None:
+        c.momentum = number("momentum", c.momentum, low=0.0, high=1.0, high_open=True)
+    if c.weight_decay is not None:
+        c.weight_decay = number("weight_decay", c.weight_decay, low=0.0, high=1.0)
+    if c.nesterov is not None and not isinstance(c.nesterov, bool):
+        raise ConfigError(f"nesterov {show(c.nesterov)}: must be true or false")
+    kwargs = optimizer_kwargs(c)
+    defaults = optimizer_settings(c.optimizer)
+    for name in ("lr", "momentum", "nesterov", "weight_decay"):
+        if getattr(c, name) is None and name in defaults:
+            setattr(c, name, kwargs.get(name, defaults[name]))
+    try:
+        OPTIMIZERS[c.optimizer]([torch.zeros(1)], **optimizer_kwargs(c))
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"optimizer {c.optimizer}: {str(e).splitlines()[0][:200]}") from None
+    if c.warmup is not None:
+        c.warmup = parse_warmup(c.warmup)
+    c.lr_gamma = number("lr_gamma", c.lr_gamma, low=0.0, high=1.0, low_open=True)
+    c.lr_decay_epochs = number("lr_decay_epochs", c.lr_decay_epochs, low=0.0, high=1e6, low_open=True)
+    c.accumulate = integer("accumulate", c.accumulate, low=1, high=1 << 20)
+    c.num_workers = integer("num_workers", c.num_workers, low=0, high=256)
 
 
 def _validate_cluster(c: TrainConfig) -> None:

@@ -45,10 +45,11 @@ def create_run_dir(out_dir: str | os.PathLike, strategy: str) -> Path:
 
 
 class MetricsLog:
-    """Appends evaluation records to `metrics.jsonl` and keeps them for the summary."""
+    """Appends evaluation records to `metrics.jsonl` and keeps them for the summary; with a
+    `board` (`ako.run.board.Board`), writes each to TensorBoard as well."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, board=None):
+        self.path, self.board = path, board
         self.records: list[dict] = []
 
     def resume(self, until: float) -> None:
@@ -64,6 +65,12 @@ class MetricsLog:
         self.records.append(record)
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.board is not None:
+            self.board.add(record)
+
+    def close(self) -> None:
+        if self.board is not None:
+            self.board.close()
 
 
 def time_to_accuracy(records: list[dict], target: float, key: str = "test_accuracy") -> float | None:
@@ -73,28 +80,41 @@ def time_to_accuracy(records: list[dict], target: float, key: str = "test_accura
 
 
 def milestones(records: list[dict], target: float | None, key: str = "test_accuracy") -> dict[str, float | None]:
-    """Time to each standard accuracy milestone and to the run's target, keyed "0.85" etc."""
+    """Time to each standard accuracy milestone and to the run's target, keyed "0.85" etc.
+    Empty when the evaluation gives no accuracy (a user's eval_fn)."""
+    if not any(r.get(key) is not None for r in records):
+        return {}
     levels = sorted(set(ACCURACY_MILESTONES) | ({target} if target else set()))
     return {f"{a:g}": time_to_accuracy(records, a, key) for a in levels}
 
 
+def time_to_target(records: list[dict], goal, prefix: str = "test") -> float | None:
+    """Training seconds at the first evaluation whose `prefix`_<metric> meets `goal` (a
+    `config.Target`: rank 0's replica with "test", the replicas' average with "average")."""
+    key = f"{prefix}_{goal.metric}"
+    return next((r["time"] for r in records if goal.met({goal.metric: r.get(key)})), None)
+
+
+def objective(goal, metrics) -> tuple[str, bool]:
+    """The metric that says which of two models is better, and whether higher is better: the
+    target's, else accuracy, else loss, else the first the evaluation gives."""
+    if goal is not None:
+        return goal.metric, goal.op == ">="
+    for name, higher in (("accuracy", True), ("loss", False)):
+        if name in metrics:
+            return name, higher
+    return next(iter(metrics)), True
+
+
 def format_summary(s: dict) -> str:
     """The summary as the lines printed at the end of a run."""
-    acc = f"{s['test_accuracy']:.4f} (rank 0's replica)"
-    if s.get("average_accuracy") is not None:
-        acc += f", {s['average_accuracy']:.4f} (average of the replicas)"
-    if s.get("centre_accuracy") is not None:
-        acc += f", {s['centre_accuracy']:.4f} (centre variable)"
-    target = s.get("target_accuracy")
     evaluating = s["wall_seconds"] - s["train_seconds"]
     paused = f" (+ {evaluating:.1f} s evaluating)" if evaluating >= 0.05 else ""
-    tta = _milestone_text(s["time_to_accuracy"])
     lines = [
         f"ako {s['strategy']}: {s['workers']} worker{'s' if s['workers'] > 1 else ''}, {s['model']} on "
         f"{s['dataset']}, {s['epochs']:.2f} epochs ({s['iterations']} iterations) in {s['train_seconds']:.1f} s "
         f"of training{paused}",
-        f"  test accuracy    {acc}",
-        f"  time to accuracy {tta}" + ("" if target is None else f"  (target {target:.0%})"),
+        *_metric_lines(s),
         *_replica_lines(s),
         f"  throughput       {s['samples_per_second']:.0f} samples/s; samples per worker "
         + " / ".join(str(w["samples"]) for w in s["per_worker"]),
@@ -127,16 +147,35 @@ def format_summary(s: dict) -> str:
         lines.append(f"  elastic rounds   every tau = {s['tau']} steps ({s['tau_reason']})")
     if s.get("final_model"):
         m = s["final_model"]
+        name = m["metric"]
+        flushed, unflushed = f"{name} {m[f'flushed_{name}']:.4f}", f"{m[f'unflushed_{name}']:.4f}"
         if m["source"] == "the replicas after the flush":
-            lines.append(f"  final model      the replicas after the flush ({m['flushed_accuracy']:.4f}; rank 0's before it {m['unflushed_accuracy']:.4f})")
+            lines.append(f"  final model      the replicas after the flush ({flushed}; rank 0's before it {unflushed})")
         else:
-            lines.append(
-                f"  final model      rank 0's replica before the flush ({m['unflushed_accuracy']:.4f}): the flush made "
-                f"the replicas worse ({m['flushed_accuracy']:.4f})"
-            )
+            lines.append(f"  final model      rank 0's replica before the flush ({name} {unflushed}): the flush made "
+                         f"the replicas worse ({m[f'flushed_{name}']:.4f})")  # fmt: skip
     if s.get("run_dir"):
         lines.append(f"  run directory    {s['run_dir']}")
     return "\n".join(lines)
+
+
+def _metric_lines(s: dict) -> list[str]:
+    """The test metrics of rank 0's replica (and of the average and the centre), the time to
+    each accuracy milestone, and the time to the target."""
+    lines = []
+    for name, value in s["test_metrics"].items():
+        text = f"{value:.4f} (rank 0's replica)"
+        for where, label in (("average", "average of the replicas"), ("centre", "centre variable")):
+            if s.get(f"{where}_{name}") is not None:
+                text += f", {s[f'{where}_{name}']:.4f} ({label})"
+        lines.append(f"  test {name:<11} {text}")
+    target = s.get("target_accuracy")
+    if s["time_to_accuracy"]:
+        lines.append(f"  time to accuracy {_milestone_text(s['time_to_accuracy'])}" + ("" if target is None else f"  (target {target:.0%})"))
+    if s.get("target") and not (target is not None and s["target"] == f"accuracy>={target:g}"):
+        reached = s["time_to_target"]
+        lines.append(f"  time to target   {s['target']}: {'not reached' if reached is None else f'{reached:.1f} s'}")
+    return lines
 
 
 def _milestone_text(times: dict) -> str:
@@ -176,6 +215,10 @@ def _rounded(x: float | None) -> float | None:
 _REPORT_KEYS = ("rank", "role", "steps", "samples", "bytes_sent", "bytes_received")
 
 
+def _accuracy_first(item: tuple[str, object]) -> int:
+    return {"accuracy": 0, "loss": 1}.get(item[0], 2)
+
+
 def build_summary(
     strategy: str,
     config,
@@ -183,14 +226,15 @@ def build_summary(
     reports: list[dict],
     records: list[dict],
     final: dict,
-    average: tuple[float, float] | None,
+    average: bool,
     train_seconds: float,
     wall_seconds: float,
 ) -> dict:
-    """The run summary (summary.json) from rank 0's records and every live rank's report
-    (rank, role, steps, samples, bytes, scalar facts). Rates are per second of training (rank
-    0's clock, which leaves out its evaluations); bytes are per worker, averaged over the live
-    workers; each server's bytes in and out per second are listed as well."""
+    """The run summary (summary.json) from rank 0's records, the `final` one included (with
+    the replicas' average's metrics when `average`), and every live rank's report (rank, role,
+    steps, samples, bytes, scalar facts). Rates are per second of training (rank 0's clock,
+    which leaves out its evaluations); bytes are per worker, averaged over the live workers;
+    each server's bytes in and out per second are listed as well."""
     workers = [r for r in reports if r["role"] == "worker"]
     servers = [r for r in reports if r["role"] == "server"]
     samples = sum(w["samples"] for w in workers)
@@ -202,11 +246,14 @@ def build_summary(
         "dataset": dataset,
         "epochs": final["epoch"],
         "iterations": reports[0]["steps"],
-        "test_accuracy": final["test_accuracy"],
-        "test_loss": final["test_loss"],
-        "average_accuracy": None if average is None else _rounded(average[1]),
-        "average_loss": None if average is None else _rounded(average[0]),  # None when it diverged
+        "test_accuracy": final.get("test_accuracy"),
+        "test_loss": final.get("test_loss"),
+        "test_metrics": dict(sorted(((k[5:], v) for k, v in final.items() if k.startswith("test_")), key=_accuracy_first)),
+        "average_accuracy": _rounded(final.get("average_accuracy")) if average else None,
+        "average_loss": _rounded(final.get("average_loss")) if average else None,  # None when it diverged
         "target_accuracy": config.target_accuracy,
+        "target": None if config.goal is None else str(config.goal),
+        "time_to_target": None if config.goal is None else time_to_target(records, config.goal),
         "time_to_accuracy": milestones(records, config.target_accuracy),
         "train_seconds": round(train_seconds, 3),
         "wall_seconds": round(wall_seconds, 3),
@@ -218,8 +265,11 @@ def build_summary(
         ),
         "per_worker": workers,
     }
-    if average is not None:
+    if average:
+        summary.update({k: _rounded(v) for k, v in final.items() if k.startswith("average_") and k not in summary})
         summary["average_time_to_accuracy"] = milestones(records, config.target_accuracy, "average_accuracy")
+        if config.goal is not None:
+            summary["average_time_to_target"] = time_to_target(records, config.goal, "average")
         summary["consensus_distance"] = final.get("consensus_distance")
     if servers:
         summary["per_server"] = [

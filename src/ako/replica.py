@@ -8,62 +8,56 @@ one fused optimizer call. The module's parameters and their `.grad` are views in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.optim.sgd import sgd
 
-from ako.data import fetch
+from ako.data import fetch, to_device
+from ako.optim import Optimization
 
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """SGD hyper-parameters: lr (> 0), momentum in [0, 1), Nesterov (only with momentum > 0),
-    weight decay (L2, >= 0)."""
-
-    lr: float
-    momentum: float = 0.0
-    nesterov: bool = False
-    weight_decay: float = 0.0
+LossFn = Callable[[nn.Module, Any], torch.Tensor]  # (model, batch) -> scalar loss
+EvalFn = Callable[[nn.Module, Any], dict]  # (model, batch) -> {metric: mean over the batch}
 
 
-class FlatSGD:
-    """SGD (momentum, Nesterov, weight decay) on one flat parameter vector, updated in place.
+def classification_loss(model: nn.Module, batch) -> torch.Tensor:
+    """The default loss: mean cross-entropy of `model(x)` (B, classes) against labels y (B,)."""
+    x, y = batch
+    return F.cross_entropy(model(x), y)
 
-    `params` (numel,) may be a view, e.g. a parameter server's shard of a replica's vector:
-    the optimizer state (momentum buffer, numel floats) lives wherever this object does.
-    SGD is elementwise, so shards stepped separately equal the whole vector stepped at once.
-    The update is `torch.optim.SGD`'s own, through its functional form
-    (`torch.optim.sgd.sgd`): making a `torch.optim.SGD` imports torch._dynamo, which adds
-    2 s to the start of every worker process.
-    """
 
-    def __init__(self, params: torch.Tensor, optim: OptimizerConfig):
-        self.params, self.optim = params, optim
-        self.momentum_buffer: torch.Tensor | None = None  # made by the first step with momentum
+def classification_metrics(model: nn.Module, batch) -> dict:
+    """The default evaluation: mean cross-entropy ("loss") and accuracy (fraction in [0, 1])."""
+    x, y = batch
+    logits = model(x)
+    return {"loss": F.cross_entropy(logits, y).item(), "accuracy": (logits.argmax(1) == y).float().mean().item()}
 
-    @torch.no_grad()
-    def step(self, grad: torch.Tensor) -> None:
-        """One optimizer step with `grad` (numel,) as the gradient."""
-        o, buffers = self.optim, [self.momentum_buffer]
-        sgd([self.params], [grad], buffers, weight_decay=o.weight_decay, momentum=o.momentum, lr=o.lr,
-            dampening=0.0, nesterov=o.nesterov and o.momentum > 0, maximize=False)  # fmt: skip
-        self.momentum_buffer = buffers[0]
 
-    def state_dict(self) -> dict:
-        """The optimizer state, for a checkpoint: the momentum buffer (numel,) or None."""
-        buffer = self.momentum_buffer
-        return {"momentum_buffer": None if buffer is None else buffer.detach().cpu().clone()}
+class LossScale:
+    """fp16's dynamic loss scale, with torch.amp.GradScaler's defaults: start at 2**16, halve
+    and drop the gradient when it is not finite, double after 2000 finite steps in a row."""
 
-    def load_state_dict(self, state: dict) -> None:
-        buffer = state["momentum_buffer"]
-        self.momentum_buffer = None if buffer is None else buffer.to(self.params.device, self.params.dtype)
+    def __init__(self):
+        self.scale, self.good, self.skipped = 2.0**16, 0, 0
+
+    def unscale(self, grad: torch.Tensor) -> None:
+        """Divide `grad` (numel,) by the scale; zero it (no contribution) if it overflowed."""
+        grad.div_(self.scale)
+        if torch.isfinite(grad).all():
+            self.good += 1
+            if self.good % 2000 == 0:
+                self.scale *= 2.0
+            return
+        grad.zero_()
+        self.scale, self.good, self.skipped = self.scale / 2.0, 0, self.skipped + 1
 
 
 class Replica:
-    """A model replica with flat parameter and gradient buffers and an SGD optimizer.
+    """A model replica with flat parameter and gradient buffers, the run's optimizer and the
+    user's training step (`loss_fn`, `eval_fn`, `collate_fn`; defaults: classification).
 
     Attributes:
         model: the user's `nn.Module`; its parameters alias `params`.
@@ -73,14 +67,18 @@ class Replica:
             places where a partition boundary keeps tensors whole.
     """
 
-    def __init__(self, model: nn.Module, optim: OptimizerConfig):
+    def __init__(self, model: nn.Module, optimization: Optimization, loss_fn: LossFn | None = None,
+                 eval_fn: EvalFn | None = None, collate_fn=None, precision: str = "fp32"):  # fmt: skip
         self.model = model
+        self.optimization = optimization
+        self.loss_fn, self.eval_fn = loss_fn or classification_loss, eval_fn or classification_metrics
+        self.collate_fn, self.precision = collate_fn, precision
+        self.loss_scale = LossScale() if precision == "fp16" else None
         tensors = [p for p in model.parameters() if p.requires_grad]
         if not tensors:
             raise ValueError("the model has no trainable parameters")
         sizes = [p.numel() for p in tensors]
         self.numel = sum(sizes)
-        self.optim = optim
         self.params = torch.cat([p.detach().reshape(-1) for p in tensors]).float()
         self.grad = torch.zeros_like(self.params)
         offset = 0
@@ -91,30 +89,45 @@ class Replica:
             offset += n
             offsets.append(offset)
         self.boundaries = offsets
-        self.optimizer = FlatSGD(self.params, optim)
+        self.optimizer = optimization.build(self.params)
 
     @property
     def grad_bytes(self) -> int:
         """Size of one full gradient in bytes."""
         return self.numel * self.grad.element_size()
 
-    def compute_gradient(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """Forward and backward of the mean cross-entropy on one mini-batch.
+    def new_optimizer(self, params: torch.Tensor):
+        """The run's optimizer and schedule for `params` (a shard of this replica's vector, on
+        a server)."""
+        return self.optimization.build(params)
 
-        x: inputs (B, C, H, W); y: class labels (B,), int64. Leaves the gradient in `self.grad`
-        (overwritten, not accumulated) and returns the mini-batch loss.
-        """
+    def _autocast(self):
+        if self.precision == "fp32":
+            return nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(self.params.device.type, dtype=dtype)
+
+    def compute_gradient(self, batches: list) -> float:
+        """Forward and backward of `loss_fn` on the micro-batches of one step (each what the
+        collate function makes, on this replica's device), accumulated: the gradient of their
+        mean loss is left in `self.grad` (overwritten, not added to). Returns that mean loss."""
         self.grad.zero_()
         self.model.train()
-        loss = F.cross_entropy(self.model(x), y)
-        loss.backward()
-        return loss.item()
+        total = 0.0
+        for batch in batches:
+            with self._autocast():
+                loss = self.loss_fn(self.model, batch) / len(batches)
+            (loss if self.loss_scale is None else loss * self.loss_scale.scale).backward()
+            total += loss.item()
+        if self.loss_scale is not None:
+            self.loss_scale.unscale(self.grad)
+        return total
 
     def step(self, grad: torch.Tensor) -> None:
-        """One optimizer step (momentum, weight decay) with `grad`, shape (numel,), as gradient."""
+        """One optimizer step (and schedule step) with `grad`, shape (numel,), as gradient."""
         self.optimizer.step(grad)
 
-    def evaluate_params(self, params: torch.Tensor, dataset, batch_size: int = 256) -> tuple[float, float]:
+    def evaluate_params(self, params: torch.Tensor, dataset, batch_size: int = 256) -> dict:
         """`evaluate` with `params` (numel,) in place of this replica's own, which are kept."""
         own = self.params.clone()
         self.params.copy_(params)
@@ -124,16 +137,15 @@ class Replica:
             self.params.copy_(own)
 
     @torch.no_grad()
-    def evaluate(self, dataset, batch_size: int = 256) -> tuple[float, float]:
-        """Mean test loss and accuracy (fraction in [0, 1]) of this replica over `dataset`."""
+    def evaluate(self, dataset, batch_size: int = 256) -> dict:
+        """`eval_fn`'s metrics of this replica over `dataset`: each the mean over samples of
+        the per-batch means (weighted by batch size). Default: {"loss", "accuracy"}."""
         self.model.eval()
-        loss_sum, correct, count = 0.0, 0, 0
-        order = torch.arange(len(dataset))
-        for idx in order.split(batch_size):
-            x, y = fetch(dataset, idx)
-            x, y = x.to(self.params.device), y.to(self.params.device)
-            logits = self.model(x)
-            loss_sum += F.cross_entropy(logits, y, reduction="sum").item()
-            correct += (logits.argmax(1) == y).sum().item()
-            count += len(y)
-        return loss_sum / count, correct / count
+        sums: dict[str, float] = {}
+        for idx in torch.arange(len(dataset)).split(batch_size):
+            batch = to_device(fetch(dataset, idx, self.collate_fn), self.params.device)
+            with self._autocast():
+                metrics = self.eval_fn(self.model, batch)
+            for name, value in metrics.items():
+                sums[name] = sums.get(name, 0.0) + float(value) * len(idx)
+        return {name: total / len(dataset) for name, total in sums.items()}

@@ -101,26 +101,34 @@ class ShardSampler:
         return self._cached_indices
 
 
-def fetch(dataset: Dataset, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather the examples at ``indices`` (int64 ``(B,)``) as a batch ``(x (B, ...), y (B,))``.
+def fetch(dataset: Dataset, indices: torch.Tensor, collate_fn=None):
+    """Gather the examples at ``indices`` (int64 ``(B,)``) as one batch.
 
-    A ``TensorDataset`` of two tensors is indexed directly (one gather per tensor); any other
-    map-style dataset whose items are ``(x, y)`` goes through ``default_collate``, one
-    ``dataset[i]`` call per example.
+    With no ``collate_fn``, a ``TensorDataset`` is indexed directly (one gather per tensor,
+    giving a tuple of tensors with leading dimension B); any other map-style dataset goes
+    through ``default_collate``, one ``dataset[i]`` call per example. With a ``collate_fn``, it
+    gets the list of examples, as a ``DataLoader``'s does.
 
     Raises:
-        ValueError: a ``TensorDataset`` does not hold exactly two tensors (x, y).
         IndexError: an index is out of range.
     """
-    if isinstance(dataset, TensorDataset):
-        if len(dataset.tensors) != 2:
-            raise ValueError(
-                f"fetch needs a TensorDataset of (x, y), got {len(dataset.tensors)} tensors"
-            )
-        x, y = dataset.tensors
-        return x.index_select(0, indices), y.index_select(0, indices)
-    x, y = default_collate([dataset[i] for i in indices.tolist()])
-    return x, y
+    if collate_fn is None and isinstance(dataset, TensorDataset):
+        return tuple(t.index_select(0, indices) for t in dataset.tensors)
+    return (collate_fn or default_collate)([dataset[i] for i in indices.tolist()])
+
+
+def to_device(batch, device: torch.device):
+    """``batch`` (a tensor, or tuples, lists and dicts of them, as collate functions make) with
+    its tensors on ``device``; other values as they are."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True) if batch.device != device else batch
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, tuple):  # a named tuple
+        return type(batch)(*(to_device(b, device) for b in batch))
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
 
 
 def _require(condition: bool, message: str) -> None:

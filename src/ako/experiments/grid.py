@@ -40,7 +40,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from ako.config import FIELDS, ConfigError, TrainConfig, validate
+from ako.config import FIELDS, ConfigError, TrainConfig, parse_target, validate
 
 RUNTIMES = ("simulate", "train")
 MAX_CELLS = 10_000
@@ -156,8 +156,11 @@ def _report(value) -> dict:
     report = _table("report", value)
     if set(report) - _REPORT_KEYS:
         raise ConfigError(f"report: unknown key {sorted(set(report) - _REPORT_KEYS)[0]!r}; allowed: budget, target")
-    limits = {"target": (1.0, "a number > 0 and <= 1"), "budget": (1e9, "a number > 0 and <= 1e9 (seconds)")}
+    limits = {"target": (1.0, "a number > 0 and <= 1, or a bound like loss<=0.3"), "budget": (1e9, "a number > 0 and <= 1e9 (seconds)")}
     for key, value in report.items():
+        if key == "target" and isinstance(value, str):
+            parse_target(value)
+            continue
         high, allowed = limits[key]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
             raise ConfigError(f"report {key} {value!r}: must be {allowed}")

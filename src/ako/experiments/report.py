@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from ako.config import ConfigError
-from ako.metrics import time_to_accuracy, write_atomic
+from ako.config import Target, parse_target
+from ako.metrics import time_to_target, write_atomic
 from ako.experiments.grid import Cell, Sweep, load_sweep, safe_name
 from ako.experiments.runner import finished_run
 
@@ -74,9 +75,27 @@ def write_report(sweep_dir: str | Path, out: str | Path | None = None) -> Path:
     return out / "report.md"
 
 
-def target_of(sweep: Sweep) -> float:
-    """The accuracy whose time the report measures: [report] target, else the base's target."""
-    return float(sweep.report.get("target") or sweep.base.get("target_accuracy") or DEFAULT_TARGET)
+def target_of(sweep: Sweep) -> Target:
+    """The target whose time the report measures: [report] target (an accuracy, or a bound on
+    any metric such as "loss<=0.3"), else the base's target or target accuracy, else 85%."""
+    target = sweep.report.get("target") or sweep.base.get("target") or sweep.base.get("target_accuracy") or DEFAULT_TARGET
+    return parse_target(target) if isinstance(target, str) and not _is_number(target) else Target("accuracy", ">=", float(target))
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def metric_at(records: list[dict], seconds: float, metric: str = "accuracy") -> float | None:
+    """Rank 0's test `metric` at the last evaluation at or before `seconds` of training (None
+    before any)."""
+    key = f"test_{metric}"
+    before = [r for r in records if r["time"] <= seconds + 1e-9 and r.get(key) is not None]
+    return before[-1][key] if before else None
 
 
 def collect(sweep: Sweep, sweep_dir: Path) -> list[Result]:
@@ -91,9 +110,9 @@ def collect(sweep: Sweep, sweep_dir: Path) -> list[Result]:
         _, summary, records = run
         servers = [s["bytes_in_per_second"] for s in summary.get("per_server", [])]
         measures = {
-            "tta": time_to_accuracy(records, target),
-            "accuracy": summary["test_accuracy"],
-            "budget_accuracy": None if budget is None else accuracy_at(records, budget),
+            "tta": time_to_target(records, target),
+            "accuracy": summary.get("test_metrics", {}).get(target.metric, summary.get(f"test_{target.metric}")),
+            "budget_accuracy": None if budget is None else metric_at(records, budget, target.metric),
             "samples_per_second": summary["samples_per_second"],
             "bytes_per_worker": summary["bytes_sent_per_worker_per_second"],
             "server_bytes_in": round(float(np.mean(servers))) if servers else None,
@@ -103,11 +122,6 @@ def collect(sweep: Sweep, sweep_dir: Path) -> list[Result]:
     _speedups(sweep, results)
     return results
 
-
-def accuracy_at(records: list[dict], seconds: float) -> float | None:
-    """Test accuracy of the last evaluation at or before `seconds` of training (None before any)."""
-    before = [r for r in records if r["time"] <= seconds + 1e-9 and r.get("test_accuracy") is not None]
-    return before[-1]["test_accuracy"] if before else None
 
 
 def baseline_arm(sweep: Sweep) -> str | None:
@@ -157,7 +171,7 @@ def markdown(sweep: Sweep, groups: list[Group], figures: list[Path], finished_ce
         "",
         f"{finished_cells} of {len(sweep.cells())} cells finished, on the {'simulated' if sweep.runtime == 'simulate' else 'distributed'} "
         f"runtime ({'virtual' if sweep.runtime == 'simulate' else 'training'} seconds). Figures: {spread}. "
-        f"Time to {_percent(target)} is rank 0's replica's test accuracy; a seed that did not reach it is left out "
+        f"Time to {_goal(target)} is of rank 0's replica's test {target.metric}; a seed that did not reach it is left out "
         "of the mean, and (k/n) counts the seeds that did. Speed-up: per seed, the baseline's time to the target "
         "over the arm's, where both reached it. Each cell's run directory is under `cells/<cell>/`; `cells.csv` "
         "has every finished cell.",
@@ -169,13 +183,13 @@ def markdown(sweep: Sweep, groups: list[Group], figures: list[Path], finished_ce
     return "\n".join(lines) + "\n"
 
 
-def _table(sweep: Sweep, groups: list[Group], target: float, budget: float | None) -> list[str]:
+def _table(sweep: Sweep, groups: list[Group], target: Target, budget: float | None) -> list[str]:
     base = baseline_arm(sweep)
     axes = [a for a in sweep.axes if a != "seed"]
     servers = any(g.values("server_bytes_in") for g in groups)
     partitions = any(g.values("partitions") for g in groups)
-    header = [*axes, "arm", f"time to {_percent(target)} (s)", "final accuracy"]
-    header += [f"accuracy at {budget:g} s"] if budget is not None else []
+    header = [*axes, "arm", f"time to {_goal(target)} (s)", f"final {target.metric}"]
+    header += [f"{target.metric} at {budget:g} s"] if budget is not None else []
     header += ["samples/s", "sent per worker (MB/s)"] + (["server in (MB/s)"] if servers else [])
     header += [f"speed-up over {base}"] if base is not None else []
     header += ["p"] if partitions else []
@@ -207,8 +221,9 @@ def _stat(values: list[float], show: Callable[[float], str]) -> str:
     return f"{show(mean)} ± {show(spread)}"
 
 
-def _percent(fraction: float) -> str:
-    return f"{fraction * 100:.4g}%"
+def _goal(target: Target) -> str:
+    """85% for an accuracy target, else the bound itself (loss<=0.3)."""
+    return f"{target.value * 100:.4g}%" if target.metric == "accuracy" and target.op == ">=" else str(target)
 
 
 def _decimals(x: float) -> int:
@@ -260,12 +275,12 @@ def plots(sweep: Sweep, groups: list[Group], out: Path) -> list[Path]:
     target, budget = target_of(sweep), sweep.report.get("budget")
     files = _per_panel(sweep, groups, None, out, "accuracy-vs-time", _accuracy_vs_time)
     if len(sweep.axes.get("workers", {})) > 1:
-        files += _per_panel(sweep, groups, "workers", out, "time-to-accuracy-vs-workers", _against("tta", f"seconds to {_percent(target)}", log=True))
+        files += _per_panel(sweep, groups, "workers", out, "time-to-accuracy-vs-workers", _against("tta", f"seconds to {_goal(target)}", log=True))
         files += _per_panel(sweep, groups, "workers", out, "bytes-per-worker-vs-workers", _bytes_against)
         if budget is not None:
-            files += _per_panel(sweep, groups, "workers", out, "accuracy-at-budget-vs-workers", _against("budget_accuracy", f"test accuracy at {budget:g} s"))
+            files += _per_panel(sweep, groups, "workers", out, "accuracy-at-budget-vs-workers", _against("budget_accuracy", f"test {target.metric} at {budget:g} s"))
     if "straggler" in sweep.axes and baseline_arm(sweep) is not None:
-        ylabel = f"speed-up over {baseline_arm(sweep)} (time to {_percent(target)})"
+        ylabel = f"speed-up over {baseline_arm(sweep)} (time to {_goal(target)})"
         files += _per_panel(sweep, groups, "straggler", out, "speedup-vs-straggler", _against("speedup", ylabel, skip=baseline_arm(sweep), unity=True))
     return files
 
@@ -301,24 +316,27 @@ def _per_panel(sweep: Sweep, groups: list[Group], x_axis: str | None, out: Path,
 
 
 def _accuracy_vs_time(ax, groups: list[Group], sweep: Sweep, _x) -> None:
-    """Each seed's curve thin; the mean over seeds bold, up to the shortest run's end, with the
-    min-max band."""
+    """Rank 0's test metric of the target (accuracy by default) against time: each seed's curve
+    thin; the mean over seeds bold, up to the shortest run's end, with the min-max band."""
+    target = target_of(sweep)
+    key = f"test_{target.metric}"
     for g in groups:
         color = _colour(sweep, g.arm)
         starts, ends = [r.records[0]["time"] for r in g.results], [r.records[-1]["time"] for r in g.results]
         grid = np.linspace(max(starts), min(ends), 200)  # where every seed has an evaluation
-        curves = np.array([[accuracy_at(r.records, t) or 0.0 for t in grid] for r in g.results])
+        curves = np.array([[metric_at(r.records, t, target.metric) or 0.0 for t in grid] for r in g.results])
         for r in g.results:
-            times, accuracy = [x["time"] for x in r.records], [x["test_accuracy"] or 0.0 for x in r.records]
-            ax.plot(times, accuracy, color=color, lw=0.6, alpha=0.4, drawstyle="steps-post")
+            times, values = [x["time"] for x in r.records], [x.get(key) or 0.0 for x in r.records]
+            ax.plot(times, values, color=color, lw=0.6, alpha=0.4, drawstyle="steps-post")
         seeds = len(g.results)
         ax.plot(grid, curves.mean(axis=0), color=color, lw=1.8, drawstyle="steps-post", label=f"{g.arm} ({seeds} seed{'s' if seeds > 1 else ''})")
         if len(g.results) > 1:
             ax.fill_between(grid, curves.min(axis=0), curves.max(axis=0), color=color, alpha=0.15, step="post")
-    ax.axhline(target_of(sweep), color="grey", lw=0.8, ls=":")
+    ax.axhline(target.value, color="grey", lw=0.8, ls=":")
     ax.set_xlabel(f"{'virtual' if sweep.runtime == 'simulate' else 'training'} seconds")
-    ax.set_ylabel("test accuracy (rank 0)")
-    ax.set_ylim(0.0, 1.0)
+    ax.set_ylabel(f"test {target.metric} (rank 0)")
+    if target.metric == "accuracy":
+        ax.set_ylim(0.0, 1.0)
 
 
 def _against(measure: str, ylabel: str, skip: str | None = None, unity: bool = False, log: bool = False):

@@ -44,7 +44,7 @@ def load_run(run: Path) -> tuple[dict, list[dict]] | None:
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     except (OSError, ValueError):
         return None
-    good = isinstance(summary, dict) and isinstance(summary.get("test_accuracy"), (int, float))
+    good = isinstance(summary, dict) and (isinstance(summary.get("test_accuracy"), (int, float)) or bool(summary.get("test_metrics")))
     good = good and records and all(isinstance(r, dict) and isinstance(r.get("time"), (int, float)) for r in records)
     return (summary, records) if good else None
 
@@ -155,12 +155,10 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def _outcome(summary: dict, cell: Cell, seconds: float) -> str:
-    target = cell.settings.get("target_accuracy")
-    text = f"accuracy {summary['test_accuracy']:.4f}"
-    if target:
-        target = float(target)  # validated; it may be written as a string
-        tta = summary["time_to_accuracy"].get(f"{target:g}")
-        text += f", {target:.0%} " + ("not reached" if tta is None else f"at {tta:.1f} s")
+    text = ", ".join(f"{name} {value:.4f}" for name, value in summary["test_metrics"].items())
+    if summary.get("target"):
+        tta = summary["time_to_target"]
+        text += f"; {summary['target']} " + ("not reached" if tta is None else f"at {tta:.1f} s")
     return f"{text} ({seconds:.0f} s)"
 
 

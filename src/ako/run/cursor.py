@@ -3,22 +3,30 @@ A-BSP's samples waiting from an unfinished iteration."""
 
 from __future__ import annotations
 
+from itertools import count
+
 import torch
+from torch.utils.data import DataLoader, default_collate
 
 from ako.data import ShardSampler, fetch
 
 
 class DataCursor:
-    """Where worker `rank` of `world_size` is in its shard of `train_set` (mini-batches of
-    `batch_size` samples, reshuffled every epoch from `seed`).
+    """Where worker `rank` of `world_size` is in its shard of `train_set`: one optimizer step
+    takes `accumulate` micro-batches of `batch_size` samples (reshuffled every epoch from
+    `seed`), each made by `collate_fn` (default: `fetch`'s). With `num_workers` > 0 a torch
+    `DataLoader` with that many processes loads them ahead, in the same order.
 
     A-BSP's iterations may end before all of a mini-batch is processed: the samples not done
     wait (`waiting`, with the iteration each was first assigned in) and go first next time,
     then fresh ones from the shard's sample stream, of which `taken` have been handed out."""
 
-    def __init__(self, train_set, rank: int, world_size: int, batch_size: int, seed: int):
-        self.train_set, self.batch_size = train_set, batch_size
-        self.sampler = ShardSampler(len(train_set), rank, world_size, batch_size, seed)
+    def __init__(self, train_set, rank: int, world_size: int, batch_size: int, seed: int, *, accumulate: int = 1,
+                 collate_fn=None, num_workers: int = 0):  # fmt: skip
+        self.train_set, self.micro, self.batch_size = train_set, batch_size, batch_size * accumulate
+        self.collate_fn, self.num_workers = collate_fn, num_workers
+        self.sampler = ShardSampler(len(train_set), rank, world_size, self.batch_size, seed)
+        self._loaded = None  # the DataLoader's iterator, from the step it was made at
         self.step = 0  # mini-batches (or A-BSP assignments) begun
         self.samples = 0  # samples processed
         self.waiting = torch.empty(0, dtype=torch.int64)
@@ -33,12 +41,26 @@ class DataCursor:
     def epoch(self) -> float:
         return self.step / self.sampler.steps_per_epoch
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next mini-batch: x (B, C, H, W), y (B,)."""
-        x, y = fetch(self.train_set, self.sampler.batch(self.step))
+    def next_batch(self) -> list:
+        """The next step's micro-batches (`accumulate` of them, each of `batch_size` samples:
+        (x (B, C, H, W), y (B,)) for the built-in data sets)."""
+        chunks = self.sampler.batch(self.step).split(self.micro)
+        if self.num_workers:
+            if self._loaded is None:
+                self._loaded = iter(self._loader())
+            batches = [next(self._loaded) for _ in chunks]
+        else:
+            batches = [fetch(self.train_set, chunk, self.collate_fn) for chunk in chunks]
         self.step += 1
-        self.samples += len(y)
-        return x, y
+        self.samples += self.batch_size
+        return batches
+
+    def _loader(self) -> DataLoader:
+        """A DataLoader of the micro-batches from this step on, forever (the run stops it)."""
+        micro_batches = ([c.tolist() for c in self.sampler.batch(t).split(self.micro)] for t in count(self.step))
+        order = _Chunks(micro_batches)
+        return DataLoader(self.train_set, batch_sampler=order, collate_fn=self.collate_fn or default_collate,
+                          num_workers=self.num_workers)  # fmt: skip
 
     def next_assignment(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A-BSP: this iteration's samples (indices int64 (B,)): those left waiting last time
@@ -68,5 +90,17 @@ class DataCursor:
         }
 
     def load_state_dict(self, state: dict) -> None:
+        self._loaded = None
         self.step, self.samples, self.taken = int(state["step"]), int(state["samples"]), int(state["taken"])
         self.waiting, self.waiting_since = state["waiting"], state["waiting_since"]
+
+
+class _Chunks:
+    """A batch sampler over an endless stream of steps' micro-batches (lists of indices)."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def __iter__(self):
+        for step in self.steps:
+            yield from step

@@ -1,5 +1,5 @@
 """Rank 0's evaluations: snapshots of its replica at evaluation points, evaluated on the test
-set (at once with a target accuracy, else after training), logged in order to metrics.jsonl,
+set (at once with a target, else after training), logged in order to metrics.jsonl,
 with the consensus distance of the replicas where they differ (`ako.run.consensus`)."""
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ _SNAPSHOT_BYTES = 256 << 20  # snapshots (and the peers' copies for them) kept b
 @dataclass
 class _Snapshot:
     """Rank 0's replica (numel,) at evaluation point `point` (None: the end of training) and
-    its record, until it is logged; `accuracy` once evaluated; `extra` fields for the record
+    its record, until it is logged; `metrics` once evaluated; `extra` fields for the record
     known beforehand (the end's consensus)."""
 
     record: dict
     params: torch.Tensor
     point: int | None
-    accuracy: float | None = None
+    metrics: dict | None = None
     extra: dict = field(default_factory=dict)
 
 
@@ -51,19 +51,20 @@ class Evaluator:
     @property
     def evaluated_first(self) -> bool:
         """Whether the oldest snapshot is evaluated and only waits for the peers' copies."""
-        return bool(self.snapshots) and self.snapshots[0].accuracy is not None
+        return bool(self.snapshots) and self.snapshots[0].metrics is not None
 
-    def evaluate(self, final: bool = False) -> float:
+    def evaluate(self, final: bool = False) -> dict:
         """Evaluate the snapshots not yet evaluated and log, oldest first, those whose
-        consensus is known (all of them when `final`); returns the last accuracy."""
-        accuracy = 0.0
+        consensus is known (all of them when `final`); returns the last one's metrics
+        (the replica's `eval_fn`'s: loss and accuracy by default), each as test_<metric>."""
+        metrics = {}
         for s in self.snapshots:
-            if s.accuracy is None:
-                loss, s.accuracy = self.replica.evaluate_params(s.params, self.test_set)
-                s.record.update(test_loss=round(loss, 5), test_accuracy=round(s.accuracy, 5))
-            accuracy = s.accuracy
+            if s.metrics is None:
+                s.metrics = self.replica.evaluate_params(s.params, self.test_set)
+                s.record.update(prefixed("test", s.metrics))
+            metrics = s.metrics
         self.log_ready(final)
-        return accuracy
+        return metrics
 
     def log_ready(self, final: bool) -> None:
         """Log the evaluated snapshots at the head of the line whose point every live worker
@@ -83,10 +84,10 @@ class Evaluator:
         (weighted) average: the fields the records add where replicas differ."""
         stacked = torch.stack([r.to(self.replica.params.device) for r in replicas])
         distance, average = consensus_distance(stacked, weights)
-        loss, accuracy = self.replica.evaluate_params(average, self.test_set)
-        return {
-            "replicas": len(replicas),
-            "consensus_distance": float(f"{distance:.4g}"),
-            "average_loss": round(loss, 5),
-            "average_accuracy": round(accuracy, 5),
-        }
+        metrics = self.replica.evaluate_params(average, self.test_set)
+        return {"replicas": len(replicas), "consensus_distance": float(f"{distance:.4g}"), **prefixed("average", metrics)}
+
+
+def prefixed(prefix: str, metrics: dict) -> dict:
+    """`metrics` as record fields: {"loss": 0.31} -> {"test_loss": 0.31}, to 5 decimals."""
+    return {f"{prefix}_{name}": round(float(value), 5) for name, value in metrics.items()}

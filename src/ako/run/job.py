@@ -13,69 +13,135 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler, Subset
+from torch.utils.data import default_collate
 
 from ako.config import ConfigError, TrainConfig
-from ako.data import DataError, load_dataset
+from ako.data import DataError, fetch, load_dataset
 from ako.models import build_model
-from ako.replica import OptimizerConfig, Replica
+from ako.optim import Optimization, OptimizerFn, SchedulerFn, check_elementwise
+from ako.replica import EvalFn, LossFn, Replica
+from ako.run.imports import call_factory, import_factory, is_spec, spec_of
 from ako.strategies import STRATEGIES, Strategy
 
 
 @dataclass
 class Data:
-    """Training and test sets with the input shape (C, H, W) and class count models need."""
+    """Training and test sets, the collate function that makes their batches (None: `fetch`'s
+    default), and for the built-in models the input shape (C, H, W) and class count."""
 
     train: torch.utils.data.Dataset
     test: torch.utils.data.Dataset
-    input_shape: tuple[int, ...]
-    num_classes: int
+    input_shape: tuple[int, ...] | None
+    num_classes: int | None
     name: str
     notice: str | None = None
+    collate_fn: Callable | None = None
 
 
 @dataclass
 class Job:
-    """A training run: `config`, and optionally the user's own strategy, model factory
-    (`model_fn() -> nn.Module`) and map-style data sets `train_set`/`test_set` yielding
-    (x, label) pairs. When data sets are given, `config.dataset` is ignored."""
+    """A training run: `config`, and optionally the user's own strategy and training step.
+
+    model_fn() -> nn.Module (default: `config.model`, a built-in or `package.module:factory`);
+    train_set/test_set: map-style data sets, or DataLoaders whose data set, collate function,
+    batch size and num_workers are taken (default: `config.dataset`, a built-in or a factory
+    returning both); loss_fn(model, batch) -> loss and eval_fn(model, batch) -> {metric: value}
+    (default: cross-entropy, and loss and accuracy); optimizer_fn(params) -> Optimizer and
+    scheduler_fn(optimizer) -> LRScheduler (default: `config.optimizer`, `config.lr_schedule`);
+    collate_fn(list of samples) -> batch."""
 
     config: TrainConfig
     strategy: Strategy | None = None
     model_fn: Callable[[], nn.Module] | None = None
-    train_set: torch.utils.data.Dataset | None = None
-    test_set: torch.utils.data.Dataset | None = None
+    train_set: torch.utils.data.Dataset | DataLoader | None = None
+    test_set: torch.utils.data.Dataset | DataLoader | None = None
+    loss_fn: LossFn | None = None
+    eval_fn: EvalFn | None = None
+    optimizer_fn: OptimizerFn | None = None
+    scheduler_fn: SchedulerFn | None = None
+    collate_fn: Callable | None = None
 
     def __post_init__(self):
         if self.strategy is None:
             self.strategy = STRATEGIES[self.config.strategy]
         if (self.train_set is None) != (self.test_set is None):
             raise ConfigError("give both train_set and test_set, or neither")
+        if self.model_fn is None and is_spec(self.config.model):
+            self.model_fn = import_factory("model", self.config.model)
+        for name in _FUNCTIONS:
+            if getattr(self, name) is None and getattr(self.config, name) is not None:
+                setattr(self, name, import_factory(name, getattr(self.config, name)))
+        if self.train_set is not None:
+            self.train_set, self.test_set = self._take_loaders(self.train_set, self.test_set)
+
+    def _take_loaders(self, train, test) -> tuple:
+        """The data sets of `train` and `test`, each a data set or a DataLoader; a DataLoader's
+        collate function and (the training one's) batch size and loader processes go into this
+        job. Raises ConfigError for one ako cannot shard."""
+        if isinstance(train, DataLoader):
+            self.config = replace(self.config, batch_size=train.batch_size or self.config.batch_size,
+                                  num_workers=train.num_workers)  # fmt: skip
+        for given in (train, test):
+            if isinstance(given, DataLoader) and given.collate_fn is not default_collate and self.collate_fn is None:
+                self.collate_fn = given.collate_fn
+        return _unpack("train_set", train), _unpack("test_set", test)
 
     def load_data(self) -> Data:
-        """The data sets: the user's, or the configured data set (raises DataError)."""
+        """The data sets: the user's (given, or from a `package.module:factory` dataset), or a
+        built-in one. Raises DataError or ConfigError."""
         c = self.config
-        if self.train_set is not None:
-            x, _ = self.train_set[0]
-            classes = _count_classes(self.train_set)
-            return Data(self.train_set, self.test_set, tuple(x.shape), classes, "custom")
+        train, test, name = self.train_set, self.test_set, "custom"
+        if train is None and is_spec(c.dataset):
+            sets = call_factory("dataset", c.dataset, import_factory("dataset", c.dataset))
+            if not (isinstance(sets, (tuple, list)) and len(sets) == 2):
+                raise ConfigError(f"dataset {c.dataset!r}: the factory must return (train_set, test_set), "
+                                  f"got {type(sets).__name__}")  # fmt: skip
+            train, test = self._take_loaders(*sets)
+            train, test, name = _first(train, c.train_samples), _first(test, c.test_samples), c.dataset
+        if train is not None:
+            shape, classes = (None, None) if self.model_fn is not None else _shape_and_classes(train)
+            return Data(train, test, shape, classes, name, collate_fn=self.collate_fn)
         split = load_dataset(c.dataset, c.data_dir, c.train_samples, c.test_samples)
-        return Data(split.train, split.test, split.input_shape, split.num_classes, split.name, split.notice)
+        return Data(split.train, split.test, split.input_shape, split.num_classes, split.name, split.notice, self.collate_fn)
 
     def resolved(self, data: Data) -> Job:
-        """This job as it really runs: with the data set `auto` chose, and model "custom" for
-        a user's own model factory."""
-        model = "custom" if self.model_fn is not None else self.config.model
-        return replace(self, config=replace(self.config, dataset=data.name, model=model))
+        """This job as it really runs: with the data set `auto` chose, the model by its
+        `module:factory` name where it has one (else "custom"), and the user's functions by
+        theirs, so that config.toml names them for a resume."""
+        names = {name: getattr(self.config, name) or spec_of(getattr(self, name)) for name in _FUNCTIONS}
+        return replace(self, config=replace(self.config, dataset=data.name, model=self.model_name, **names))
+
+    @property
+    def model_name(self) -> str:
+        """`config.model`, or the user's model_fn as `module:factory` (else "custom")."""
+        if self.model_fn is None or is_spec(self.config.model):
+            return self.config.model
+        return spec_of(self.model_fn) or "custom"
+
+    def steps_per_epoch(self, data: Data) -> int:
+        """Optimizer steps per worker per epoch: the shard's whole steps of `step_samples`."""
+        c = self.config
+        return len(data.train) // c.workers // c.step_samples
+
+    def planned_steps(self, data: Data) -> int:
+        """Optimizer steps per worker of the whole run (its epochs; the schedule's length)."""
+        return max(1, round(self.config.epochs * self.steps_per_epoch(data)))
+
+    def optimization(self, data: Data) -> Optimization:
+        return Optimization(self.config, self.planned_steps(data), self.optimizer_fn, self.scheduler_fn)
 
     def build_replica(self, data: Data, device: torch.device) -> Replica:
         """A replica with the model initialised from the run seed (identical on every worker)."""
         torch.manual_seed(self.config.seed)
         if self.model_fn is not None:
-            model = self.model_fn()
+            model = call_factory("model", self.model_name, self.model_fn)
+            if not isinstance(model, nn.Module):
+                raise ConfigError(f"model {self.model_name!r}: the factory returned {type(model).__name__}, not an nn.Module")
         else:
             model = build_model(self.config.model, data.input_shape, data.num_classes)
         c = self.config
-        return Replica(model.to(device), OptimizerConfig(c.lr, c.momentum, c.nesterov, c.weight_decay))
+        return Replica(model.to(device), self.optimization(data), self.loss_fn, self.eval_fn, data.collate_fn, c.precision)
 
     def check(self) -> tuple[Data, int]:
         """Everything about the job itself that can fail before processes start; returns the
@@ -84,22 +150,42 @@ class Job:
         data = self.load_data()
         try:
             replica = self.build_replica(data, torch.device("cpu"))
-            replica.model(data.train[0][0].unsqueeze(0))
-        except (RuntimeError, ValueError) as e:
-            raise ConfigError(
-                f"model {self.config.model!r} cannot take inputs of shape {tuple(data.input_shape)}: "
-                f"{str(e).splitlines()[0][:200]}"
-            ) from None
+        except (RuntimeError, ValueError) as e:  # a built-in model sizes its layers from the input shape
+            shape = "" if data.input_shape is None else f" of shape {tuple(data.input_shape)}"
+            raise ConfigError(f"model {self.model_name!r} cannot take inputs{shape}: {str(e).splitlines()[0][:200]}") from None
         self.validate(data, replica.numel)
+        self._try_step(replica, data)
+        if self.strategy.optimizer_on == "servers":
+            check_elementwise(self.optimization(data), self.strategy.name)
         check_out_dir(self.config.out_dir)
         return data, replica.numel
+
+    def _try_step(self, replica: Replica, data: Data) -> None:
+        """The loss and the evaluation on two training samples, so that a model, data set or
+        function that does not fit fails here, in one line, and not in every worker."""
+        batch = fetch(data.train, torch.arange(min(2, len(data.train))), data.collate_fn)
+        what = f"model {self.model_name!r}"
+        try:
+            replica.compute_gradient([batch])
+            what = "eval_fn" if self.eval_fn is not None else what
+            with torch.no_grad():
+                metrics = replica.eval_fn(replica.model.eval(), batch)
+        except Exception as e:  # the user's code: any error, said in one line
+            what = "loss_fn" if self.loss_fn is not None and what.startswith("model") else what
+            raise ConfigError(f"{what} failed on a batch of the training set: {type(e).__name__}: "
+                              f"{(str(e).splitlines() or [''])[0][:200]}") from None  # fmt: skip
+        if not isinstance(metrics, dict) or not metrics:
+            raise ConfigError(f"eval_fn: must return a dict of metric -> number, got {type(metrics).__name__}")
+        goal = self.config.goal
+        if goal is not None and goal.metric not in metrics:
+            raise ConfigError(f"target {str(goal)!r}: the evaluation has no metric {goal.metric!r} "
+                              f"(it gives {', '.join(metrics)})")  # fmt: skip
 
     def identity(self, numel: int) -> dict:
         """What a checkpoint must agree with for this job to resume from it."""
         c = self.config
-        model = "custom" if self.model_fn is not None else c.model
         world = c.workers + (c.servers or 0)
-        return {"strategy": self.strategy.name, "model": model, "numel": numel, "world": world}
+        return {"strategy": self.strategy.name, "model": self.model_name, "numel": numel, "world": world}
 
     def validate(self, data: Data, numel: int) -> None:
         """The settings that depend on the data and the model: the strategy's options against
@@ -108,13 +194,17 @@ class Job:
         if self.strategy.check is not None:
             self.strategy.check(c, numel)
         shard = len(data.train) // c.workers
-        if c.batch_size > shard:
+        if c.step_samples > shard:
+            what = f"batch_size {c.batch_size}" + (f" x accumulate {c.accumulate}" if c.accumulate > 1 else "")
             raise ConfigError(
-                f"batch_size {c.batch_size}: must be at most the per-worker shard of "
+                f"{what}: must be at most the per-worker shard of "
                 f"{len(data.train)} // {c.workers} workers = {shard} samples"
             )
         if len(data.test) == 0:
             raise DataError(f"data set {data.name!r}: the test set is empty")
+
+
+_FUNCTIONS = ("loss_fn", "eval_fn", "collate_fn")  # the user's functions a config may name as module:function
 
 
 def check_out_dir(out_dir: str) -> None:
@@ -129,8 +219,38 @@ def check_out_dir(out_dir: str) -> None:
         raise ConfigError(f"out_dir {out_dir!r}: not writable")
 
 
-def _count_classes(dataset) -> int:
-    """Number of classes of a user's data set: 1 + the largest label."""
-    if isinstance(dataset, torch.utils.data.TensorDataset):
-        return int(dataset.tensors[1].max()) + 1
-    return 1 + max(int(dataset[i][1]) for i in range(len(dataset)))
+def _shape_and_classes(dataset) -> tuple[tuple[int, ...], int]:
+    """A built-in model's input shape and class count from a user's data set of (x, label)
+    pairs: x's shape, and 1 + the largest label. Raises ConfigError for other samples."""
+    try:
+        x, _ = dataset[0]
+        if isinstance(dataset, torch.utils.data.TensorDataset):
+            return tuple(x.shape), int(dataset.tensors[1].max()) + 1
+        return tuple(x.shape), 1 + max(int(dataset[i][1]) for i in range(len(dataset)))
+    except (TypeError, ValueError, AttributeError):
+        raise ConfigError("a built-in model needs samples of (x, label); give your own model for other data") from None
+
+
+def _unpack(role: str, given):
+    """The map-style data set of `given` (itself, or a DataLoader's). Raises ConfigError for a
+    DataLoader whose sampler or data set ako cannot shard, or something that is no data set."""
+    dataset = given.dataset if isinstance(given, DataLoader) else given
+    if isinstance(dataset, IterableDataset):
+        raise ConfigError(f"{role}: an IterableDataset cannot be sharded by index; give a map-style data set "
+                          "(one with __getitem__ and __len__)")  # fmt: skip
+    if isinstance(given, DataLoader):
+        batches, sampler = given.batch_sampler, given.sampler
+        if type(batches) is not BatchSampler or type(sampler) not in (RandomSampler, SequentialSampler):
+            custom = sampler if type(batches) is BatchSampler else batches
+            raise ConfigError(
+                f"{role}: a DataLoader with its own sampler ({type(custom).__name__}) cannot be sharded: ako gives "
+                "each worker its own shard, reshuffled every epoch; pass a DataLoader without a sampler, or the data set"
+            )
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise ConfigError(f"{role}: {type(given).__name__} is not a data set: give a map-style Dataset or a DataLoader")
+    return dataset
+
+
+def _first(dataset, samples: int | None):
+    """The first `samples` examples of `dataset` (all when None)."""
+    return dataset if samples is None or samples >= len(dataset) else Subset(dataset, range(samples))

@@ -5,26 +5,44 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ako.config import to_toml
-from ako.metrics import build_summary, create_run_dir, format_summary, write_atomic, write_summary
+from ako.metrics import MetricsLog, build_summary, create_run_dir, format_summary, objective, write_atomic, write_summary
+from ako.run.consensus import consensus_distance
+from ako.run.evaluation import prefixed
 from ako.run.job import Job
 from ako.run.worker import WorkerState
+
+
+MODEL_FILE = "model.pt"
 
 
 @dataclass
 class WorkerResult:
     """What a worker process hands back: its rank, its final flat parameters (numel,), the
-    strategy's facts and, on rank 0, the run summary."""
+    strategy's facts and, on rank 0, the run summary and the model the run hands back
+    (numel,; the one in model.pt)."""
 
     rank: int
     params: torch.Tensor
     facts: dict
     summary: dict | None = None
+    model: torch.Tensor | None = None
+
+
+def open_log(run_dir: Path, config) -> MetricsLog:
+    """Rank 0's metrics.jsonl, and TensorBoard event files beside it with `config.tensorboard`."""
+    board = None
+    if config.tensorboard:
+        from ako.run.board import Board
+
+        board = Board(run_dir, time.time())
+    return MetricsLog(run_dir / "metrics.jsonl", board)
 
 
 def rank_report(rank: int, state: WorkerState | None, facts: dict, sent: int, received: int) -> dict:
@@ -54,51 +72,94 @@ def open_run_dir(config, strategy: str, data) -> Path:
 
 def final_model(state: WorkerState, unflushed: torch.Tensor, final: dict, test_set) -> dict:
     """Which model the run hands back: the replicas after the flush (rank 0's `final` record),
-    or rank 0's replica before it, `unflushed` (numel,), when that one tests better (a flush
-    that averages replicas which drifted apart can make the model worse: it is reported)."""
-    loss, accuracy = state.replica.evaluate_params(unflushed.to(state.replica.params.device), test_set)
-    flushed, accuracy = final["test_accuracy"], round(accuracy, 5)
-    worse = accuracy > flushed  # a tie keeps the flushed replicas
+    or rank 0's replica before it, `unflushed` (numel,), when that one tests better on the
+    run's objective (`metrics.objective`: its target's metric, else accuracy, else loss; a
+    flush that averages replicas which drifted apart can make the model worse: it is reported)."""
+    metrics = state.replica.evaluate_params(unflushed.to(state.replica.params.device), test_set)
+    name, higher = objective(state.goal, metrics)
+    flushed, mine = final[f"test_{name}"], round(metrics[name], 5)
+    worse = mine > flushed if higher else mine < flushed  # a tie keeps the flushed replicas
     return {
         "source": "rank 0's replica before the flush" if worse else "the replicas after the flush",
-        "test_accuracy": round(max(accuracy, flushed), 5),
-        "flushed_accuracy": flushed,
-        "unflushed_accuracy": accuracy,
-        "unflushed_loss": round(loss, 5),
+        "metric": name,
+        f"test_{name}": mine if worse else flushed,
+        f"flushed_{name}": flushed,
+        f"unflushed_{name}": mine,
+        **{f"unflushed_{k}": round(v, 5) for k, v in metrics.items() if k != name},
     }
 
 
 def final_summary(
     job: Job, data, state: WorkerState, reports: list[dict], finals, facts: dict, lost: list[int], run_dir: Path,
     resumed: int | None = None,
-) -> dict:  # fmt: skip
+) -> tuple[dict, torch.Tensor]:  # fmt: skip
     """Rank 0, after training: evaluate what is left and build the run's summary (`publish`
     writes and prints it). `finals`: the
     live workers' final replicas (where replicas differ), in the order of their reports;
     their average is weighted by each worker's `average_weight` fact when it has one. `facts`:
     rank 0's program's; its `centre` is the model a strategy with a centre variable reports, and
-    its `unflushed` rank 0's replica before a final flush (Ako), each (numel,) when present. `resumed`: the step of the checkpoint the run resumed from, if any."""
+    its `unflushed` rank 0's replica before a final flush (Ako), each (numel,) when present. `resumed`: the step of the checkpoint the run resumed from, if any.
+    Writes model.pt (`save_model`); returns the summary and that model, flat (numel,)."""
     end = {}
     if finals:
         weights = [float(r.get("average_weight", 1.0)) for r in reports if r["role"] == "worker"]
         end = state.evaluator.consensus_record(finals, weights)
     final = state.finish(end)
-    average_eval = (final["average_loss"], final["average_accuracy"]) if finals else None
     summary = build_summary(
         job.strategy.name, job.config, data.name, reports, state.evaluator.log.records, final,
-        average_eval, state.clock.now(), state.clock.wall(),
+        bool(finals), state.clock.now(), state.clock.wall(),
     )  # fmt: skip
     if job.strategy.summarise is not None:
         summary.update(job.strategy.summarise(reports))
     if facts.get("centre") is not None:
-        loss, accuracy = state.replica.evaluate_params(facts["centre"].to(state.replica.params.device), data.test)
-        summary["centre_accuracy"], summary["centre_loss"] = round(accuracy, 5), round(loss, 5)
+        centre = state.replica.evaluate_params(facts["centre"].to(state.replica.params.device), data.test)
+        summary.update(prefixed("centre", centre))
     if facts.get("unflushed") is not None:
         summary["final_model"] = final_model(state, facts["unflushed"], final, data.test)
+    source, model = handed_back(summary, facts, state, finals, reports)
+    summary["saved_model"] = save_model(run_dir, state.replica, model, source, data)
+    state.evaluator.log.close()
     summary["lost_ranks"] = lost
     summary["resumed_from_step"] = resumed
     summary["run_dir"] = str(run_dir)
-    return summary
+    return summary, model.detach().cpu().clone()
+
+
+def handed_back(summary: dict, facts: dict, state: WorkerState, finals, reports) -> tuple[str, torch.Tensor]:
+    """The model the run hands back (numel,) and what it is: easgd's centre variable; under
+    ako rank 0's replica before the flush when that tests better (`final_model`); the
+    replicas' average where they differ (gossip); else rank 0's replica."""
+    if facts.get("centre") is not None:
+        return "the centre variable", facts["centre"]
+    if summary.get("final_model", {}).get("source") == "rank 0's replica before the flush":
+        return "rank 0's replica before the flush", torch.as_tensor(facts["unflushed"])
+    if finals:
+        weights = [float(r.get("average_weight", 1.0)) for r in reports if r["role"] == "worker"]
+        stacked = torch.stack([r.to(state.replica.params.device) for r in finals])
+        return "the replicas' average", consensus_distance(stacked, weights)[1]
+    return "rank 0's replica", state.replica.params
+
+
+def save_model(run_dir: Path, replica, params: torch.Tensor, source: str, data) -> dict:
+    """Write `run_dir`/model.pt, a plain `state_dict` of the user's module with `params`
+    (numel,) as its parameters and rank 0's buffers (BatchNorm statistics: each replica keeps
+    its own, as DDP with broadcast_buffers=False; rank 0's are the ones evaluated), atomically.
+    Returns the summary's `saved_model`: the file, its source, its test metrics, and what
+    `ako.load_model` needs to rebuild a built-in model."""
+    own = replica.params.clone()
+    replica.params.copy_(params)
+    try:
+        state = {k: v.detach().cpu().clone() for k, v in replica.model.state_dict().items()}
+        metrics = replica.evaluate(data.test)
+    finally:
+        replica.params.copy_(own)
+    path = run_dir / MODEL_FILE
+    tmp = path.with_name(f".{MODEL_FILE}.{os.getpid()}.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+    shape = None if data.input_shape is None else list(data.input_shape)
+    return {"file": MODEL_FILE, "source": source, **prefixed("test", metrics), "input_shape": shape,
+            "num_classes": data.num_classes}  # fmt: skip
 
 
 def publish(run_dir: Path, summary: dict, *more_lines: str) -> None:

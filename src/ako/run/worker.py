@@ -75,14 +75,17 @@ class WorkerState:
         self, *, config: TrainConfig, rank: int, world_size: int, replica: Replica, train_set, test_set,
         clock: Clock, traffic: Callable[[], tuple[int, int]], on_target: Callable[[], None],
         log: MetricsLog | None = None, consensus: ReplicaExchange | None = None, checkpointer: Checkpointer | None = None,
+        num_workers: int = 0,
     ):  # fmt: skip
         self.config, self.rank, self.world_size, self.replica = config, rank, world_size, replica
         self.clock, self.traffic, self.on_target = clock, traffic, on_target
         self.consensus, self.checkpointer = consensus, checkpointer
-        self.cursor = DataCursor(train_set, rank, world_size, config.batch_size, config.seed)
+        self.cursor = DataCursor(train_set, rank, world_size, config.batch_size, config.seed, accumulate=config.accumulate,
+                                 collate_fn=replica.collate_fn, num_workers=num_workers)  # fmt: skip
+        self.goal = config.goal
         self.evaluator = None
         if log is not None:
-            self.evaluator = Evaluator(replica, test_set, log, world_size, consensus, eager=config.target_accuracy is not None)
+            self.evaluator = Evaluator(replica, test_set, log, world_size, consensus, eager=self.goal is not None)
         per_epoch = self.cursor.steps_per_epoch
         self.planned_steps = max(1, round(config.epochs * per_epoch))
         self.eval_steps = max(1, round(config.eval_every * per_epoch))
@@ -117,17 +120,17 @@ class WorkerState:
         if not self.evaluator.keep(self._progress_record(), point):
             return
         with self.clock.pause():
-            accuracy = self._evaluate()
-        target = self.config.target_accuracy
-        if target is not None and accuracy >= target and not self.stop_requested:
+            metrics = self._evaluate()
+        if self.goal is not None and self.goal.met(metrics) and not self.stop_requested:
             self.stop_requested = True
             self.on_target()
 
-    def _evaluate(self, final: bool = False) -> float:
-        accuracy = self.evaluator.evaluate(final)
-        if self.bar is not None:
-            self.bar.set_postfix(acc=f"{accuracy:.4f}", epoch=f"{self.cursor.epoch:.2f}")
-        return accuracy
+    def _evaluate(self, final: bool = False) -> dict:
+        metrics = self.evaluator.evaluate(final)
+        if self.bar is not None and metrics:
+            name = self.goal.metric if self.goal is not None else "accuracy" if "accuracy" in metrics else next(iter(metrics))
+            self.bar.set_postfix({name[:8]: f"{metrics[name]:.4f}", "epoch": f"{self.cursor.epoch:.2f}"})
+        return metrics
 
     def _checkpoint(self) -> None:
         now, step = self.clock.now(), self.cursor.step
@@ -187,7 +190,7 @@ class WorkerState:
             "time": round(self.clock.now(), 4),
             "wall": round(self.clock.wall(), 4),
             "epoch": round(self.cursor.epoch, 4),
-            "samples": self.cursor.step * self.config.batch_size * self.world_size,
+            "samples": self.cursor.step * self.cursor.batch_size * self.world_size,
             "bytes_sent": sent,
             "bytes_received": received,
         }

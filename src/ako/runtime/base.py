@@ -6,9 +6,9 @@ waits on (virtual time passes), while the distributed runtime blocks in real tim
 yields. `drive` is the one loop between the two; `run_blocking` runs it on real processes.
 
 `compute` and `compute_partial` are a worker's computation, written once. A runtime gives them
-`gradient(x, y, slow)`, a generator that computes the real gradient of one batch into the
-replica's buffer and lets the batch's time pass (a straggler's `slow` times more), and, for
-A-BSP, `told_to_stop(tag, iteration)`.
+`gradient(batches, samples, slow)`, a generator that computes the real gradient of one step's
+micro-batches (`samples` in all) into the replica's buffer and lets their time pass (a
+straggler's `slow` times more), and, for A-BSP, `told_to_stop(tag, iteration)`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from ako.data import fetch
 from ako.strategies.ops import Gradient, PartialGradient, PeerLost
 
-GradientFn = Callable[[torch.Tensor, torch.Tensor, float], Generator]
+GradientFn = Callable[[list, int, float], Generator]
 
 
 def drive(program: Generator, execute: Callable[[object], Generator]) -> Generator:
@@ -59,10 +59,11 @@ def compute(state, gradient: GradientFn) -> Generator:
     evaluation), then forward and backward on the worker's next mini-batch. Returns a
     `Gradient` whose `grad` (numel,) is the replica's buffer."""
     state.before_step()
-    x, y = state.cursor.next_batch()
-    loss = yield from gradient(x, y, straggler_factor(state))
+    batches = state.cursor.next_batch()
+    samples = state.cursor.batch_size
+    loss = yield from gradient(batches, samples, straggler_factor(state))
     state.computed(loss)
-    return Gradient(state.replica.grad, loss, len(y))
+    return Gradient(state.replica.grad, loss, samples)
 
 
 def compute_partial(
@@ -80,10 +81,10 @@ def compute_partial(
     for chunk in indices.split(micro_batch):
         if done and told_to_stop(stop_tag, iteration):
             break
-        x, y = fetch(state.cursor.train_set, chunk)
-        loss_sum += (yield from gradient(x, y, slow)) * len(y)
-        grad_sum.add_(state.replica.grad, alpha=len(y))
-        done += len(y)
+        batch = fetch(state.cursor.train_set, chunk, state.cursor.collate_fn)
+        loss_sum += (yield from gradient([batch], len(chunk), slow)) * len(chunk)
+        grad_sum.add_(state.replica.grad, alpha=len(chunk))
+        done += len(chunk)
     oldest = state.cursor.processed(indices, since, done)
     state.computed(loss_sum / done)
     return PartialGradient(grad_sum, loss_sum / done, done, indices, oldest)

@@ -100,7 +100,9 @@ class Strategy:
     `options`: the settings only this strategy (and others declaring them) takes.
     `check(config, numel)` raises ConfigError for options the model cannot take (before any
     process starts). `summarise(per_rank)` adds strategy-specific totals to the summary.
-    `paper`: where the algorithm comes from."""
+    `paper`: where the algorithm comes from. `optimizer_on`: where the optimizer (and its
+    schedule) runs: "workers" (any torch optimizer) or "servers" (each steps its shard: only
+    elementwise optimizers, `ako.optim.check_elementwise`)."""
 
     name: str
     worker: WorkerProgram
@@ -111,3 +113,4 @@ class Strategy:
     check: ConfigCheck | None = None
     summarise: Callable[[list[dict]], dict] | None = None
     paper: str = ""
+    optimizer_on: str = "workers"

@@ -78,7 +78,7 @@ def _convert(result: WorkerResult, kind: type, convert) -> WorkerResult:
             return {k: one(v) for k, v in value.items()}
         return value
 
-    return replace(result, params=one(result.params), facts=one(result.facts))
+    return replace(result, params=one(result.params), facts=one(result.facts), model=one(result.model))
 
 
 def _exit_now(status: int) -> None:

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from ako.config import ConfigError, to_toml
-from ako.metrics import MetricsLog, write_atomic
+from ako.metrics import write_atomic
 from ako.run.job import Job
-from ako.run.outcome import WorkerResult, final_summary, open_run_dir, publish
+from ako.run.outcome import WorkerResult, final_summary, open_log, open_run_dir, publish
 from ako.run.worker import WorkerState
 from ako.runtime.distributed import checkpoint
 from ako.runtime.distributed.mailbox import comm_error
@@ -139,7 +139,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         raise RuntimeError(f"the workers did not all get ready within {config.timeout:g} s: {comm_error(e)}") from None
     identity = job.identity(replica.numel)  # what checkpoints of this run must agree with
     run_dir, point = _run_dir(job, data, rank, store, runtime, identity)
-    log = MetricsLog(run_dir / "metrics.jsonl") if rank == 0 else None
+    log = open_log(run_dir, config) if rank == 0 else None
     saved = checkpoint.load(run_dir, point, rank) if point is not None else None
     if saved is not None:
         checkpoint.check(saved, identity, str(checkpoint.path(run_dir, point, rank)), contents=True)
@@ -153,7 +153,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         state = WorkerState(
             config=config, rank=rank, world_size=n, replica=replica, train_set=data.train, test_set=data.test,
             clock=runtime.clock, traffic=runtime.bytes_moved, on_target=runtime.request_stop, log=log,
-            consensus=replicas, checkpointer=checkpoints,
+            consensus=replicas, checkpointer=checkpoints, num_workers=config.num_workers,
         )  # fmt: skip
         program = strategy.worker
         ctx = WorkerContext(rank, n, replica, config, state.should_stop, servers, point or 0)
@@ -177,12 +177,12 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     final = replica.params if strategy.replicas_differ and state is not None else None
     reports, finals = runtime.gather_reports(facts, final)
     runtime.close()
-    summary = None
+    result = WorkerResult(rank, replica.params.cpu().clone(), facts)
     if rank == 0:
         lost = sorted(runtime.mailbox.lost)
-        summary = final_summary(job, data, state, reports, finals, facts, lost, run_dir, resumed=point)
-        publish(run_dir, summary)
-    return WorkerResult(rank, replica.params.cpu().clone(), facts, summary), bool(runtime.mailbox.lost)
+        result.summary, result.model = final_summary(job, data, state, reports, finals, facts, lost, run_dir, resumed=point)
+        publish(run_dir, result.summary)
+    return result, bool(runtime.mailbox.lost)
 
 
 def _run_dir(job: Job, data, rank: int, store: dist.Store, runtime: DistributedRuntime, identity: dict):

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ako.data import fetch
+from ako.data import fetch, to_device
 from ako.run.outcome import rank_report
 from ako.run.worker import WorkerState
 from ako.runtime.base import compute, compute_partial, drive, run_blocking
@@ -190,13 +190,14 @@ class DistributedRuntime:
         messages = self.mailbox.poll(tag, tolerant=self.survives_loss)
         return any(m.step == iteration for m in messages)
 
-    def _gradient(self, x: torch.Tensor, y: torch.Tensor, slow: float):
-        """Gradient of one batch into the replica's buffer; a straggler then waits (slow - 1)
-        times the compute time it took (the cluster model of docs/design.md). Returns the loss."""
+    def _gradient(self, batches: list, samples: int, slow: float):
+        """Gradient of one step's micro-batches into the replica's buffer; a straggler then
+        waits (slow - 1) times the compute time it took (the cluster model of docs/design.md).
+        Returns the loss."""
         yield from ()  # a generator, as `base.compute` takes one, that never yields: real time passes here
-        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        batches = [to_device(b, self.device) for b in batches]
         start = time.perf_counter()
-        loss = self.state.replica.compute_gradient(x, y)
+        loss = self.state.replica.compute_gradient(batches)
         if slow > 1.0:
             time.sleep((slow - 1.0) * (time.perf_counter() - start))
         return loss
@@ -240,13 +241,14 @@ class DistributedRuntime:
         """Median seconds of forward+backward on one mini-batch (after one warm-up); the
         replica's parameters are not changed."""
         state = self.state
-        x, y = fetch(state.cursor.train_set, torch.arange(state.config.batch_size))
-        x, y = x.to(self.device), y.to(self.device)
-        state.replica.compute_gradient(x, y)
+        cursor = state.cursor
+        chunks = torch.arange(cursor.batch_size).split(cursor.micro)
+        batches = [to_device(fetch(cursor.train_set, c, cursor.collate_fn), self.device) for c in chunks]
+        state.replica.compute_gradient(batches)
         times = []
         for _ in range(repeats):
             t = time.perf_counter()
-            state.replica.compute_gradient(x, y)
+            state.replica.compute_gradient(batches)
             times.append(time.perf_counter() - t)
         return statistics.median(times)
 

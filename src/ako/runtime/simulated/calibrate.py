@@ -30,7 +30,7 @@ import tomli_w
 import torch
 
 from ako.config import ConfigError, TrainConfig
-from ako.data import fetch
+from ako.data import fetch, to_device
 from ako.metrics import write_atomic
 from ako.run.job import Job
 
@@ -46,8 +46,8 @@ def measure_seconds_per_sample(
         torch.set_num_threads(threads)
     try:
         replica = job.build_replica(data, device)
-        x, y = fetch(data.train, torch.arange(job.config.batch_size))
-        x, y = x.to(device), y.to(device)
+        samples = job.config.batch_size
+        batch = to_device(fetch(data.train, torch.arange(samples), data.collate_fn), device)
         times = []
         for i in range(repeats + 2):
             if i == 2 and ready is not None:
@@ -55,10 +55,10 @@ def measure_seconds_per_sample(
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t = time.perf_counter()
-            replica.compute_gradient(x, y)  # .item() on the loss waits for the GPU
+            replica.compute_gradient([batch])  # .item() on the loss waits for the GPU
             if i >= 2:
                 times.append(time.perf_counter() - t)
-        return statistics.median(times) / len(y)
+        return statistics.median(times) / samples
     finally:
         torch.set_num_threads(before)
 

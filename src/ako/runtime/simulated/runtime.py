@@ -153,10 +153,10 @@ class SimulatedRuntime:
         its result. Operations that take no virtual time return without yielding."""
         match op:
             case ops.Compute():
-                return (yield from compute(node.state, lambda x, y, slow: self._gradient(node, x, y, slow)))
+                return (yield from compute(node.state, lambda batches, samples, slow: self._gradient(node, batches, samples, slow)))
             case ops.ComputePartial(micro_batch, stop_tag, iteration):
                 return (yield from compute_partial(
-                    node.state, lambda x, y, slow: self._gradient(node, x, y, slow),
+                    node.state, lambda batches, samples, slow: self._gradient(node, batches, samples, slow),
                     lambda tag, it: any(m.step == it for m in node.take_all(tag)), micro_batch, stop_tag, iteration,
                 ))  # fmt: skip
             case ops.Send(tensor, dst, tag, step, aux):
@@ -187,13 +187,13 @@ class SimulatedRuntime:
                 return self.costs.bandwidth
         raise TypeError(f"unknown operation {op!r}")
 
-    def _gradient(self, node: Node, x: torch.Tensor, y: torch.Tensor, slow: float):
-        """Real gradient of one batch now, into `node`'s replica; then hold `node` for the
-        modelled compute time. Returns the loss."""
+    def _gradient(self, node: Node, batches: list, samples: int, slow: float):
+        """Real gradient of one step's micro-batches now, into `node`'s replica; then hold
+        `node` for the modelled compute time of `samples` samples. Returns the loss."""
         t = time.perf_counter()
-        loss = node.state.replica.compute_gradient(x, y)
+        loss = node.state.replica.compute_gradient(batches)
         self.forward_backward += time.perf_counter() - t
-        yield from self._busy(node, len(y), slow)
+        yield from self._busy(node, samples, slow)
         return loss
 
     def _busy(self, node: Node, samples: int, slow: float):

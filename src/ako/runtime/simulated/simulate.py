@@ -13,9 +13,8 @@ import time
 import simpy
 import torch
 
-from ako.metrics import MetricsLog
 from ako.run.job import Job
-from ako.run.outcome import WorkerResult, final_summary, open_run_dir, publish
+from ako.run.outcome import WorkerResult, final_summary, open_log, open_run_dir, publish
 from ako.run.worker import WorkerState
 from ako.runtime.simulated.costs import Costs
 from ako.runtime.simulated.replicas import SharedReplicas
@@ -38,14 +37,14 @@ def simulate_job(job: Job, costs: Costs) -> tuple[dict, list[WorkerResult]]:
     replicas = [job.build_replica(data, cpu) for _ in range(world)]
     job.validate(data, replicas[0].numel)
     env = simpy.Environment()
-    runtime = SimulatedRuntime(env, costs, world, n, config.batch_size)
+    runtime = SimulatedRuntime(env, costs, world, n, config.step_samples)
     run_dir = open_run_dir(config, strategy.name, data)
     servers = list(range(n, world))
     copies: dict = {}  # the replicas' copies at evaluation points, for the consensus distance
     for rank in range(world):
         node, replica = runtime.nodes[rank], replicas[rank]
         if rank < n:
-            log = MetricsLog(run_dir / "metrics.jsonl") if rank == 0 else None
+            log = open_log(run_dir, config) if rank == 0 else None
             node.state = WorkerState(
                 config=config, rank=rank, world_size=n, replica=replica, train_set=data.train, test_set=data.test,
                 clock=node.clock, traffic=lambda r=rank: runtime.traffic(r), on_target=lambda r=rank: runtime.request_stop(r),
@@ -59,11 +58,11 @@ def simulate_job(job: Job, costs: Costs) -> tuple[dict, list[WorkerResult]]:
     reports = [runtime.node_report(rank, end) for rank in range(world)]
     facts = runtime.nodes[0].facts
     finals = [r.params for r in replicas[:n]] if strategy.replicas_differ else []
-    summary = final_summary(job, data, runtime.nodes[0].state, reports, finals, facts, [], run_dir)
+    summary, model = final_summary(job, data, runtime.nodes[0].state, reports, finals, facts, [], run_dir)
     summary["simulation"] = _simulation_facts(runtime, costs, reports, end, time.perf_counter() - started)
     publish(run_dir, summary, format_simulation(summary["simulation"]))
     workers = [WorkerResult(r, replicas[r].params.clone(), runtime.nodes[r].facts) for r in range(n)]
-    workers[0].summary = summary
+    workers[0].summary, workers[0].model = summary, model
     return summary, workers
 
 

@@ -38,5 +38,5 @@ def server(sctx):
 
 STRATEGY = Strategy(
     name="bsp", worker=gradient_worker, server=server, options=(SERVERS,), check=check, summarise=staleness_summary,
-    paper="bulk synchronous parallel on parameter servers (Valiant 1990)",
+    paper="bulk synchronous parallel on parameter servers (Valiant 1990)", optimizer_on="servers",
 )

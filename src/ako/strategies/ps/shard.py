@@ -7,7 +7,7 @@ of its gradient (or update) that server owns and pulls back the server's paramet
 (docs/design.md, "The algorithms"; the workers' programs are in `workers`). Where the optimizer
 runs:
 - `bsp` and `absp` (synchronous: one mean per iteration): on the servers, which keep their
-  shard's optimizer state (momentum buffer); the workers push gradients (`gradient_worker`).
+  shard's optimizer state (momentum buffer, Adam's moments) and schedule; the workers push gradients (`gradient_worker`).
 - `ssp` and `asp` (stale): on the workers, as BytePS's asynchronous mode does: each worker takes
   its own optimizer step (momentum, Nesterov, weight decay) on its gradient and pushes the
   parameter delta; the servers add deltas (`update_worker`). A server-side momentum applied per
@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from ako.checks import ConfigError, Integer
-from ako.replica import FlatSGD, OptimizerConfig
 from ako.strategies.base import Option
 from ako.strategies.ops import Recv, Send
 from ako.strategies.partition import partition_bounds
@@ -93,10 +92,9 @@ class Shard:
     every update is reported to `sctx.on_update` (the runtime's checkpoints)."""
 
     def __init__(self, sctx):
-        c = sctx.config
         self.lo, self.hi = shards(sctx.replica.numel, sctx.replica.boundaries, len(sctx.servers))[sctx.index]
         self.params = sctx.replica.params[self.lo : self.hi]
-        self.optimizer = FlatSGD(self.params, OptimizerConfig(c.lr, c.momentum, c.nesterov, c.weight_decay))
+        self.optimizer = sctx.replica.new_optimizer(self.params)  # the run's optimizer and schedule, on this shard
         self.version = self.resumed = 0
         self.staleness_sum = self.staleness_count = self.staleness_max = 0
         self.on_update = sctx.on_update

@@ -1,0 +1,214 @@
+"""The optimizer and learning-rate schedule of a run, on one flat parameter vector.
+
+ako steps one tensor: a replica's flat parameters (numel,) or a parameter server's shard of
+them. Any `torch.optim.Optimizer` that steps without a closure does, built by name
+(`--optimizer adamw`, OPTIMIZERS) or by the user's `optimizer_fn(params) -> Optimizer`, with a
+`torch.optim.lr_scheduler` schedule stepped once per optimizer step wherever the optimizer runs
+(`--lr-schedule`, or the user's `scheduler_fn(optimizer) -> LRScheduler`).
+
+The optimizer sees the whole vector as one tensor, so an elementwise optimizer (SGD, Adam,
+AdamW, Adadelta, ...) behaves exactly as on the model's own tensors, and its steps on shards
+equal one step on the whole vector. An optimizer that looks at a tensor as a whole (LARS,
+LAMB, Adafactor, Muon) sees one tensor; the strategies whose servers step shards
+(`Strategy.optimizer_on == "servers"`) refuse it (`check_elementwise`).
+
+Defaults: for `sgd`, ako's (lr 0.1, momentum 0.9, Nesterov, weight decay 5e-4); for the others,
+torch's own (Adam's lr 1e-3, ...). `--lr-scaling linear` multiplies the learning rate by the
+number of workers (Goyal et al. 2017, "Accurate, Large Minibatch SGD", section 2.1).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.optim import lr_scheduler
+
+from ako.checks import ConfigError, show
+
+OptimizerFn = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+SchedulerFn = Callable[[torch.optim.Optimizer], lr_scheduler.LRScheduler]
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "adadelta": torch.optim.Adadelta,
+    "adagrad": torch.optim.Adagrad, "adamax": torch.optim.Adamax, "nadam": torch.optim.NAdam,
+    "radam": torch.optim.RAdam, "rmsprop": torch.optim.RMSprop, "rprop": torch.optim.Rprop, "asgd": torch.optim.ASGD,
+}  # fmt: skip
+SCHEDULES = ("constant", "step", "cosine", "linear")
+LR_SCALINGS = ("none", "linear")
+SGD_DEFAULTS = {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4}
+_NOT_SETTABLE = {"params", "self", "foreach", "fused", "capturable", "differentiable"}  # how, not what
+
+
+def optimizer_settings(name: str) -> dict[str, object]:
+    """The hyper-parameters optimizer `name` takes, with torch's defaults (ako's for sgd)."""
+    params = inspect.signature(OPTIMIZERS[name].__init__).parameters
+    settings = {k: p.default for k, p in params.items() if k not in _NOT_SETTABLE}
+    return {**settings, **SGD_DEFAULTS} if name == "sgd" else settings
+
+
+def optimizer_kwargs(config) -> dict[str, object]:
+    """The keyword arguments of the configured optimizer: `lr`, `momentum`, `nesterov`,
+    `weight_decay` where set (ako's defaults for sgd, torch's otherwise), then
+    `optimizer_args`. Raises ConfigError for a setting the optimizer does not take."""
+    allowed = optimizer_settings(config.optimizer)
+    kwargs = {k: v for k, v in SGD_DEFAULTS.items() if config.optimizer == "sgd"}
+    for name in ("lr", "momentum", "nesterov", "weight_decay"):
+        value = getattr(config, name)
+        if value is None:
+            continue
+        if name not in allowed:
+            raise ConfigError(f"{name} {show(value)}: optimizer {config.optimizer} has no such setting "
+                              f"(it takes {', '.join(allowed)})")  # fmt: skip
+        kwargs[name] = value
+    for key, value in (config.optimizer_args or {}).items():
+        if key not in allowed:
+            raise ConfigError(f"optimizer_args {key!r}: optimizer {config.optimizer} takes {', '.join(allowed)}")
+        kwargs[key] = tuple(value) if isinstance(value, list) else value
+    if kwargs.get("nesterov") and not kwargs.get("momentum"):
+        kwargs["nesterov"] = False  # Nesterov is a form of momentum: nothing to do without it
+    return kwargs
+
+
+@dataclass(frozen=True)
+class Optimization:
+    """How to build a run's optimizer and schedule for any flat vector (picklable: it travels
+    to every worker and server with the job).
+
+    config: the run's TrainConfig (optimizer, lr, lr_schedule, warmup, ...). steps: optimizer
+    steps the schedule spans (the run's planned steps). optimizer_fn/scheduler_fn: the user's,
+    in place of the configured ones."""
+
+    config: object
+    steps: int
+    optimizer_fn: OptimizerFn | None = None
+    scheduler_fn: SchedulerFn | None = None
+
+    @property
+    def base_lr(self) -> float | None:
+        """The configured learning rate after the scaling rule (None with an optimizer_fn)."""
+        if self.optimizer_fn is not None:
+            return None
+        lr = optimizer_kwargs(self.config).get("lr", optimizer_settings(self.config.optimizer)["lr"])
+        return lr * (self.config.workers if self.config.lr_scaling == "linear" else 1)
+
+    def build(self, params: torch.Tensor) -> FlatOptimizer:
+        """An optimizer (with its schedule) stepping `params` (numel,), in place: a leaf
+        tensor or a view of one (a server's shard)."""
+        if self.optimizer_fn is not None:
+            optimizer = self.optimizer_fn([params])
+        else:
+            kwargs = {**optimizer_kwargs(self.config), "lr": self.base_lr}
+            optimizer = OPTIMIZERS[self.config.optimizer]([params], **kwargs)
+        if self.scheduler_fn is not None:
+            return FlatOptimizer(params, optimizer, self.scheduler_fn(optimizer))
+        return FlatOptimizer(params, optimizer, schedule(optimizer, self.config, self.steps))
+
+
+def warmup_steps(config, steps_per_epoch: int) -> int:
+    """`config.warmup` in optimizer steps: "500" is steps, "0.5epochs" epochs (0 when unset)."""
+    if config.warmup is None:
+        return 0
+    text = str(config.warmup).strip()
+    for suffix in ("epochs", "epoch", "ep"):
+        if text.endswith(suffix):
+            return round(float(text[: -len(suffix)]) * steps_per_epoch)
+    return int(text)
+
+
+def parse_warmup(text) -> str:
+    """Check a warm-up length: a number of steps ("500") or of epochs ("0.5epochs")."""
+    value = str(text).strip()
+    number = value.removesuffix("epochs").removesuffix("epoch").removesuffix("ep")
+    try:
+        amount = float(number) if number != value else int(number)
+    except ValueError:
+        raise ConfigError(f"warmup {show(text)}: expected optimizer steps (500) or epochs (0.5epochs)") from None
+    if not 0 <= amount <= 1e9:
+        raise ConfigError(f"warmup {show(text)}: must be from 0 to 1e9")
+    return value
+
+
+def schedule(optimizer: torch.optim.Optimizer, config, steps: int) -> lr_scheduler.LRScheduler | None:
+    """The configured schedule over `steps` optimizer steps: linear warm-up over the first
+    `warmup` steps (step k at (k + 1) / warmup of the rate), then constant, step (x lr_gamma
+    every lr_decay_epochs), cosine (to 0, Loshchilov & Hutter 2017) or linear (to 0) over the
+    rest. None for constant without warm-up."""
+    per_epoch = steps / config.epochs if config.epochs else steps
+    warm = min(warmup_steps(config, per_epoch), steps)
+    rest = max(1, steps - warm)
+    if config.lr_schedule == "cosine":
+        main = lr_scheduler.CosineAnnealingLR(optimizer, T_max=rest)
+    elif config.lr_schedule == "linear":
+        main = lr_scheduler.LinearLR(optimizer, 1.0, 0.0, total_iters=rest)
+    elif config.lr_schedule == "step":
+        main = lr_scheduler.StepLR(optimizer, max(1, round(config.lr_decay_epochs * per_epoch)), config.lr_gamma)
+    else:
+        main = None
+    if warm <= 1:
+        return main
+    warming = lr_scheduler.LinearLR(optimizer, 1.0 / warm, 1.0, total_iters=warm - 1)
+    if main is None:
+        return warming
+    return lr_scheduler.SequentialLR(optimizer, [warming, main], milestones=[warm])
+
+
+class FlatOptimizer:
+    """A torch optimizer and its schedule on one flat vector `params` (numel,): `step(grad)`
+    takes the gradient as a tensor of the same shape rather than from `params.grad`."""
+
+    def __init__(self, params: torch.Tensor, optimizer: torch.optim.Optimizer, scheduler=None):
+        self.params, self.optimizer, self.scheduler = params, optimizer, scheduler
+
+    @torch.no_grad()
+    def step(self, grad: torch.Tensor) -> None:
+        """One optimizer step with `grad` (numel,), then one step of the schedule."""
+        self.params.grad = grad
+        self.optimizer.step()
+        self.params.grad = None
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next step."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def state_dict(self) -> dict:
+        """Optimizer and schedule state (torch's state dicts), for a checkpoint."""
+        scheduler = None if self.scheduler is None else self.scheduler.state_dict()
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": scheduler}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+
+
+def check_elementwise(optimization: Optimization, strategy: str) -> None:
+    """Raise ConfigError unless the optimizer's steps on two halves of a vector equal its
+    steps on the whole vector (what a strategy whose servers step shards needs), or when
+    building or stepping it fails. Three steps on a probe of 64 floats."""
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(64, generator=generator)
+    grads = [torch.randn(64, generator=generator) for _ in range(3)]
+    try:
+        whole = start.clone()
+        halves = [start[:32].clone(), start[32:].clone()]
+        optimizers = [optimization.build(v) for v in (whole, *halves)]
+        for g in grads:
+            optimizers[0].step(g.clone())
+            optimizers[1].step(g[:32].clone())
+            optimizers[2].step(g[32:].clone())
+    except Exception as e:  # a user's optimizer_fn may raise anything
+        raise ConfigError(f"optimizer: building or stepping it failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None
+    gap = (whole - torch.cat(halves)).abs().max().item()
+    if not gap <= 1e-6 * max(1.0, whole.abs().max().item()) or not math.isfinite(gap):
+        raise ConfigError(
+            f"optimizer: strategy {strategy} steps it on each server's shard, and it is not elementwise "
+            f"(steps on two halves differ from steps on the whole vector by {gap:.3g}); use an elementwise "
+            "optimizer (sgd, adam, adamw, ...) or a strategy whose workers run the optimizer"
+        )

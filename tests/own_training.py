@@ -1,0 +1,57 @@
+"""A user's own training pieces, importable by name (`--model own_training:digits_net`): a
+model with BatchNorm, a model that returns a dict, a data set factory, losses, metrics, and
+factories that fail."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ako.data import load_dataset
+
+
+def digits_net() -> nn.Module:
+    """A small network for 8x8 digits with a BatchNorm layer (buffers a model file must keep)."""
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 64, 10),
+    )  # fmt: skip
+
+
+class DictNet(nn.Module):
+    """A model whose forward takes a dict batch and returns a dict, as many real models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+    def forward(self, batch: dict) -> dict:
+        return {"logits": self.body(batch["image"])}
+
+
+def dict_collate(samples: list) -> dict:
+    """(x, label) samples as a dict batch: {"image": (B, 1, 8, 8), "label": (B,)}."""
+    return {"image": torch.stack([x for x, _ in samples]), "label": torch.stack([y for _, y in samples])}
+
+
+def dict_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    return F.cross_entropy(model(batch)["logits"], batch["label"])
+
+
+def dict_metrics(model: nn.Module, batch: dict) -> dict:
+    logits = model(batch)["logits"]
+    return {"loss": F.cross_entropy(logits, batch["label"]).item(), "error": (logits.argmax(1) != batch["label"]).float().mean().item()}
+
+
+def digits_sets():
+    """A data set factory: (train, test) of digits, 384 and 60 samples."""
+    split = load_dataset("digits", train_samples=384, test_samples=60)
+    return split.train, split.test
+
+
+def broken_net() -> nn.Module:
+    raise RuntimeError("no weights here")
+
+
+def not_a_module():
+    return 42
