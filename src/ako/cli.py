@@ -10,7 +10,7 @@ import sys
 import tomllib
 
 from ako.config import FIELDS, STRATEGIES, ConfigError, TrainConfig, load_toml, validate
-from ako.optim import OPTIMIZERS
+from ako.optim import OPTIMIZERS, SCHEDULES
 from ako.strategies import STRATEGIES as REGISTRY
 
 EXIT_BAD_INPUT, EXIT_FAILED = 2, 1
@@ -201,8 +201,10 @@ def cmd_info() -> int:
     print(f"strategies: {', '.join(STRATEGIES)}")
     for name, strategy in REGISTRY.items():
         options = ", ".join("--" + o.name.replace("_", "-") for o in strategy.options)
-        print(f"  {name:<10} {strategy.paper}" + (f"; options {options}" if options else ""))
-    print(f"models:     {', '.join(MODELS)}")
+        where = "optimizer on each server's shard (elementwise ones)" if strategy.optimizer_on == "servers" else "optimizer on the workers"
+        print(f"  {name:<10} {strategy.paper}; {where}" + (f"; options {options}" if options else ""))
+    print(f"optimizers: {', '.join(OPTIMIZERS)} (torch.optim); schedules: {', '.join(SCHEDULES)}")
+    print(f"models:     {', '.join(MODELS)}, or your own as package.module:factory")
     for name in DATASETS:
         if name in ("fashion-mnist", "mnist"):
             where = find_data_dir(name)

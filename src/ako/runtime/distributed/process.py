@@ -185,6 +185,15 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     return result, bool(runtime.mailbox.lost)
 
 
+def keep_earlier_config(run_dir: Path, text: str, point: int) -> None:
+    """Write the resumed run's config.toml; settings that changed keep the earlier file as
+    config.before-step-<point>.toml."""
+    path = run_dir / "config.toml"
+    if path.exists() and path.read_text() != text:
+        os.replace(path, run_dir / f"config.before-step-{point}.toml")
+    write_atomic(path, text)
+
+
 def _run_dir(job: Job, data, rank: int, store: dist.Store, runtime: DistributedRuntime, identity: dict):
     """(run directory, step of the checkpoint to resume from or None), the same on every rank.
 
@@ -205,7 +214,7 @@ def _run_dir(job: Job, data, rank: int, store: dist.Store, runtime: DistributedR
             run_dir, point = open_run_dir(config, job.strategy.name, data), None
         if point is not None:  # checkpoints after `point` belong to the abandoned run: drop them
             checkpoint.drop_after(run_dir, point)
-            write_atomic(run_dir / "config.toml", to_toml(replace(config, resume=None)))
+            keep_earlier_config(run_dir, to_toml(replace(config, resume=None)), point)
             print(f"ako: resuming {run_dir} from its checkpoint at step {point}", file=sys.stderr, flush=True)
         store.set(key, str(run_dir))
     found = runtime.broadcast(torch.tensor([-1 if rank != 0 or point is None else point]))
