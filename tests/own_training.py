@@ -55,3 +55,49 @@ def broken_net() -> nn.Module:
 
 def not_a_module():
     return 42
+
+
+class _SlowInLoader(torch.utils.data.Dataset):
+    """Digits whose samples take 30 s each in a DataLoader process (a stuck loader), at once here."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def __len__(self):
+        return len(self.tensors)
+
+    def __getitem__(self, i):
+        if torch.utils.data.get_worker_info() is not None:
+            import time
+
+            time.sleep(30)
+        return self.tensors[i]
+
+
+def stuck_loader_sets():
+    train, test = digits_sets()
+    return _SlowInLoader(train), test
+
+
+def bad_sample_sets():
+    """A training set whose every sample raises."""
+    class Broken(torch.utils.data.Dataset):
+        def __len__(self):
+            return 384
+
+        def __getitem__(self, i):
+            raise IndexError(f"sample {i} is missing")
+
+    return Broken(), digits_sets()[1]
+
+
+def text_metrics(model, batch):
+    return {"accuracy": "high"}
+
+
+def no_optimizer(params):
+    return None
+
+
+def plateau(optimizer):
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)

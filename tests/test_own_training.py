@@ -212,7 +212,8 @@ def test_tensorboard_event_files_hold_the_logged_metrics(tmp_path):
     events = EventAccumulator(str(Path(result.summary["run_dir"]) / "tensorboard"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
-    assert {"test/accuracy", "test/loss", "average/accuracy", "train/consensus_distance", "train/bytes_sent"} <= tags
+    assert {"test/accuracy", "test/loss", "average/accuracy", "train/consensus_distance", "train/bytes_sent", "train/loss",
+            "train/lr"} <= tags
     records = [json.loads(line) for line in (Path(result.summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert [e.value for e in events.Scalars("test/accuracy")] == pytest.approx([r["test_accuracy"] for r in records], abs=1e-6)
     assert [e.step for e in events.Scalars("test/accuracy")] == [r["samples"] for r in records]
@@ -244,6 +245,9 @@ def test_own_model_and_dataset_by_name_from_the_cli_and_on_resume(tmp_path):
 
     point = checkpoint.latest(run_dir, 2)
     assert point is not None and 0 < point < summary["iterations"]
+    finished = _ako("train", "--resume", str(run_dir))
+    assert finished.returncode == 2 and "that run finished" in finished.stderr, finished.stderr
+    (run_dir / "summary.json").unlink()  # as if the run had been killed after that checkpoint
     resumed = _ako("train", "--resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming" in resumed.stderr
@@ -292,7 +296,11 @@ def test_own_model_by_name_under_torchrun_and_in_a_sweep_cell(tmp_path):
     (["--optimizer", "lbfgs"], "optimizer 'lbfgs': choose one of sgd, adam"),
     (["--optimizer", "adam", "--momentum", "0.9"], "momentum 0.9: optimizer adam has no such setting"),
     (["--optimizer-arg", "betas=2,0.9", "--optimizer", "adam"], "optimizer adam: Invalid beta parameter"),
-    (["--optimizer-arg", "gamma=3"], "optimizer_args 'gamma': optimizer sgd takes"),
+    (["--optimizer-arg", "gamma=3"], "optimizer_args 'gamma' (--optimizer-arg): optimizer sgd takes"),
+    (["--optimizer", "adam", "--optimizer-arg", "betas=0.9"], "optimizer_args betas 0.9 (--optimizer-arg): adam's betas is 2 numbers"),
+    (["--optimizer", "adam", "--optimizer-arg", "amsgrad=yes"], "optimizer_args amsgrad 'yes' (--optimizer-arg): adam's amsgrad is true or false"),
+    (["--optimizer-arg", "lr=0.01"], "optimizer_args 'lr': give it as --lr"),
+    (["--warmup", "1000", "--epochs", "1"], "warmup 1000: 1000 optimizer steps, longer than the run's 12"),
     (["--lr-schedule", "exp"], "lr_schedule 'exp': choose one of constant, step, cosine, linear"),
     (["--warmup", "ten"], "warmup 'ten': expected optimizer steps"),
     (["--target", "loss<0.3"], "target 'loss<0.3': expected a metric, >= or <="),
@@ -311,8 +319,8 @@ def test_bad_training_settings_are_one_line_exit_2_and_write_nothing(tmp_path, f
 
 
 def test_the_cli_takes_an_optimizer_with_its_settings(tmp_path):
-    code = main(["train", *SMALL, "--strategy", "ako", "--optimizer", "adamw", "--optimizer-arg", "betas=0.85,0.98",
-                 "--optimizer-arg", "amsgrad=true", "--lr", "0.003", "--out-dir", str(tmp_path / "runs"), "--epochs", "1"])  # fmt: skip
+    code = main(["train", *SMALL, "--strategy", "ako", "--optimizer", "adamw", "--optimizer-arg", "betas=(0.85,0.98)",
+                 "--optimizer-arg", "amsgrad=True", "--lr", "0.003", "--out-dir", str(tmp_path / "runs"), "--epochs", "1"])  # fmt: skip
     assert code == 0
     [run_dir] = run_dirs(tmp_path)
     config = tomllib.loads((run_dir / "config.toml").read_text())
@@ -348,3 +356,112 @@ def test_fp16_loss_scale_unscales_drops_overflow_and_grows():
     fp16.compute_gradient([batch])
     assert fp16.loss_scale.skipped == 0
     torch.testing.assert_close(fp16.grad, fp32.grad, rtol=0.05, atol=2e-3)
+
+
+def test_a_resumed_schedule_follows_the_new_plan_from_the_saved_step():
+    """A cosine schedule saved at step 6 of 10, resumed by a run of 20 steps (--epochs doubled),
+    goes on along the 20-step cosine from step 6, not the old plan's."""
+    short = Optimization(validate(TrainConfig(lr=0.1, lr_schedule="cosine", epochs=1.0)), 10)
+    long = Optimization(validate(TrainConfig(lr=0.1, lr_schedule="cosine", epochs=2.0)), 20)
+    first = short.build(torch.zeros(3))
+    for _ in range(6):
+        first.step(torch.ones(3))
+    resumed = long.build(torch.zeros(3))
+    resumed.load_state_dict(first.state_dict())
+    rates = []
+    for _ in range(4):
+        rates.append(resumed.lr)
+        resumed.step(torch.ones(3))
+    assert rates == pytest.approx([0.1 * (1 + math.cos(math.pi * k / 20)) / 2 for k in range(6, 10)], rel=1e-12)
+    assert resumed.steps == 10
+
+
+def test_a_run_of_main_s_functions_says_how_to_resume_it(tmp_path):
+    """config.toml says "custom" for a model, data set or function with no importable name;
+    a CLI resume of such a run says to resume it from its script, and the API's resume keeps
+    the functions it is given."""
+    from ako.config import to_toml
+
+    run_dir = tmp_path / "runs" / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.toml").write_text(to_toml(small_config(tmp_path, strategy="allreduce", model="custom",
+                                                              optimizer_fn="custom")))  # fmt: skip
+    code = main(["train", "--resume", str(run_dir)])
+    assert code == 2
+    kept = ako.api.with_saved(TrainConfig(resume=str(run_dir)))
+    assert (kept.model, kept.optimizer_fn, kept.strategy) == ("cnn", None, "allreduce")
+    with pytest.raises(ako.ConfigError, match="optimizer_fn 'custom': the run's optimizer_fn had no importable name"):
+        ako.train(TrainConfig(resume=str(run_dir), optimizer_fn="custom"), model_fn=digits_net, keep_saved=False)
+
+
+def test_a_diverged_run_still_prints_and_writes_its_summary(tmp_path):
+    proc = _ako("train", *SMALL, "--workers", "1", "--epochs", "0.5", "--lr", "1000", "--momentum", "0.99",
+                "--out-dir", str(tmp_path / "runs"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "test loss        n/a (diverged)" in proc.stdout
+    [run_dir] = run_dirs(tmp_path)
+    summary = json.loads((run_dir / "summary.json").read_text())  # strict JSON: no NaN
+    assert summary["test_metrics"]["loss"] is None and summary["test_accuracy"] is not None
+
+
+def test_a_resume_takes_the_new_settings_and_refuses_another_optimizer(tmp_path, capsys):
+    """The saved optimizer state keeps its moments, but this run's --lr and betas apply; a
+    checkpoint of adam does not resume as sgd."""
+    old = validate(TrainConfig(optimizer="adam", lr=0.01, optimizer_args={"betas": [0.9, 0.99]}))
+    new = validate(TrainConfig(optimizer="adam", lr=0.002, optimizer_args={"betas": [0.8, 0.9]}))
+    first = Optimization(old, 10).build(torch.zeros(3))
+    for _ in range(3):
+        first.step(torch.ones(3))
+    resumed = Optimization(new, 10).build(torch.zeros(3))
+    resumed.load_state_dict(first.state_dict())
+    group = resumed.optimizer.param_groups[0]
+    assert (resumed.lr, group["betas"]) == (0.002, (0.8, 0.9))
+    assert resumed.optimizer.state[resumed.params]["exp_avg"].abs().sum() > 0
+    from test_checkpoint import checkpointed_run
+
+    run_dir = checkpointed_run(tmp_path, strategy="allreduce", **ADAMW)
+    code = main(["train", "--resume", str(run_dir), "--optimizer", "adam"])
+    err = capsys.readouterr().err
+    assert code == 2 and "written by a run with optimizer_name 'adamw', not 'adam'" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("settings, functions, message", [
+    ({}, {"eval_fn": "own_training:text_metrics"}, "eval_fn: metric 'accuracy' = 'high': each must be"),
+    ({}, {"optimizer_fn": "own_training:no_optimizer"}, "optimizer_fn failed: TypeError: optimizer_fn returned NoneType"),
+    ({}, {"scheduler_fn": "own_training:plateau"}, "scheduler_fn: a step failed: TypeError: ReduceLROnPlateau.step() missing"),
+    ({"dataset": "own_training:bad_sample_sets"}, {}, "the training set failed on a sample: IndexError: sample 0 is missing"),
+    ({"optimizer": "adam", "momentum": None, "nesterov": None, "optimizer_args": {"betas": [0.9, 0.95, 0.99]}}, {},
+     "adam's betas is 2 numbers"),
+    ({"optimizer_args": {"maximize": "no"}}, {}, "optimizer_args maximize 'no' (--optimizer-arg): sgd's maximize is true or false"),
+])  # fmt: skip
+def test_the_user_s_functions_and_settings_are_checked_before_the_run(tmp_path, settings, functions, message):
+    config = small_config(tmp_path, strategy="allreduce", **settings, **functions)
+    with pytest.raises(ako.ConfigError, match=message.replace("(", "\\(").replace(")", "\\)").replace("'", ".")):
+        ako.train(config)
+    assert not run_dirs(tmp_path)
+
+
+def test_a_lambda_or_a_partial_is_refused_or_recorded_as_custom(tmp_path):
+    import functools
+
+    with pytest.raises(ako.ConfigError, match="loss_fn '.*<lambda>': the worker processes cannot get it"):
+        ako.train(small_config(tmp_path), loss_fn=lambda model, batch: model(batch[0]).sum())
+    from ako.run.imports import spec_of
+
+    assert spec_of(functools.partial(digits_net)) is None and spec_of(digits_net) == "own_training:digits_net"
+
+
+def test_a_stuck_data_loader_process_fails_the_run_within_the_timeout(tmp_path):
+    proc = _ako("train", *SMALL, "--strategy", "allreduce", "--dataset", "own_training:stuck_loader_sets",
+                "--num-workers", "1", "--timeout", "3", "--out-dir", str(tmp_path / "runs"), timeout=90)  # fmt: skip
+    assert proc.returncode == 1 and "DataLoader timed out after 3.0 seconds" in proc.stderr, proc.stderr
+
+
+def test_load_model_of_a_damaged_model_file_is_one_error(tmp_path):
+    result = ako.train(small_config(tmp_path, strategy="allreduce"))
+    run_dir = Path(result.summary["run_dir"])
+    (run_dir / "model.pt").write_bytes(b"not a model")
+    with pytest.raises(ako.ConfigError, match="model.pt: cannot load it into the model"):
+        ako.load_model(run_dir)
+    with pytest.raises(ako.ConfigError, match="not a run directory"):
+        ako.load_model(tmp_path / "nowhere")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,6 +196,7 @@ def test_a_resume_continues_from_the_workers_momentum(tmp_path, strategy):
     assert point is not None and 0 < point < whole.summary["iterations"]
     saved = checkpoint.load(run_dir, point, 0)["optimizer"]["optimizer"]["state"][0]["momentum_buffer"]
     assert saved is not None and saved.abs().sum() > 0
+    (Path(run_dir) / "summary.json").unlink()  # as if the run had been killed after that checkpoint
     resumed = ako.train(dataclasses.replace(config, resume=run_dir))
     assert resumed.summary["resumed_from_step"] == point
     torch.testing.assert_close(resumed.workers[0].params, whole.workers[0].params, rtol=0, atol=1e-6)

@@ -1,7 +1,7 @@
 """Train `net.Net` with Adadelta and a StepLR schedule (pytorch/examples' mnist settings) on
 Fashion-MNIST, data-parallel on 2 workers with ako's all-reduce, through the Python API:
 
-    .venv/bin/python examples/own_network/train_api.py
+    .venv/bin/python examples/own_network/train_api.py [EPOCHS]     # default 2
 
 The optimizer and schedule are built by the user's own functions here; the command in
 examples/own_network/README.md does the same with flags.
@@ -31,7 +31,8 @@ def step_lr(optimizer):
 
 
 if __name__ == "__main__":
-    config = ako.TrainConfig(strategy="allreduce", workers=2, dataset="fashion-mnist", batch_size=64, epochs=2,
+    epochs = float(sys.argv[1]) if len(sys.argv) > 1 else 2.0
+    config = ako.TrainConfig(strategy="allreduce", workers=2, dataset="fashion-mnist", batch_size=64, epochs=epochs,
                              eval_every=0.5, out_dir="runs")  # fmt: skip
     result = ako.train(config, model_fn=Net, loss_fn=nll, eval_fn=evaluate, optimizer_fn=adadelta, scheduler_fn=step_lr)
     model = ako.load_model(result.summary["run_dir"], Net)  # model.pt, a plain state_dict

@@ -13,13 +13,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from ako.config import FIELDS, ConfigError, TrainConfig, load_toml, validate
+from ako.config import CUSTOM, FIELDS, ConfigError, TrainConfig, load_toml, validate
 from ako.optim import OptimizerFn, SchedulerFn
 from ako.replica import EvalFn, LossFn
 from ako.run.job import Job
@@ -92,11 +93,25 @@ def train(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set: Da
         result = run_rank(job)
         return RunResult(result.summary, [result])
     _, numel = job.check()
+    _check_picklable(job)
     if job.config.resume is not None:
+        checkpoint.check_unfinished(job.config)
         checkpoint.find(job.config.resume, job.identity(numel), job.config.workers)
     results = launch(job, job.config.workers + (job.config.servers or 0))
     workers = [results[r] for r in sorted(results) if r < job.config.workers]
     return RunResult(results[0].summary, workers)
+
+
+def _check_picklable(job: Job) -> None:
+    """Raise ConfigError (one line) for a user's function the spawned worker processes cannot
+    get: a lambda, a nested function, an object that does not pickle."""
+    for name in ("model_fn", "loss_fn", "eval_fn", "optimizer_fn", "scheduler_fn", "collate_fn"):
+        fn = getattr(job, name)
+        try:
+            pickle.dumps(fn)
+        except Exception as e:  # pickle raises PicklingError, AttributeError, TypeError...
+            raise ConfigError(f"{name} {getattr(fn, '__qualname__', type(fn).__name__)!r}: the worker processes cannot get "
+                              f"it ({type(e).__name__}); give a top-level function of a module, or a picklable object") from None
 
 
 def with_saved(config: TrainConfig) -> TrainConfig:
@@ -107,7 +122,7 @@ def with_saved(config: TrainConfig) -> TrainConfig:
     if not os.path.isfile(path):
         raise ConfigError(f"resume {config.resume!r}: not a run directory (no config.toml in it)")
     saved = load_toml(path)
-    kept = {k: v for k, v in saved.items() if k != "resume" and getattr(config, k) == FIELDS[k].default}
+    kept = {k: v for k, v in saved.items() if k != "resume" and v != CUSTOM and getattr(config, k) == FIELDS[k].default}
     return dataclasses.replace(config, **kept)
 
 
@@ -116,32 +131,45 @@ def load_model(run_dir: str | os.PathLike, model_fn: ModelFn | None = None) -> n
     config.toml: a built-in model or `package.module:factory`) with the state_dict of
     `run_dir`/model.pt loaded, in eval mode. model.pt is a plain state_dict: without ako,
     `model.load_state_dict(torch.load(path))` does the same. Raises ConfigError when the run
-    directory has no model.pt or the module does not match it."""
+    directory has no model.pt, it cannot be read, or the module does not match it."""
+    run_dir = str(run_dir)
+    path = os.path.join(run_dir, MODEL_FILE)
+    if not os.path.isfile(os.path.join(run_dir, "config.toml")):
+        raise ConfigError(f"run directory {run_dir!r}: not a run directory (no config.toml in it)")
+    if not os.path.isfile(path):
+        raise ConfigError(f"run directory {run_dir!r}: no {MODEL_FILE} (the run did not finish)")
+    try:
+        model = _module_of(run_dir, model_fn)
+        model.load_state_dict(torch.load(path, weights_only=True))
+    except ConfigError:
+        raise
+    except Exception as e:  # a damaged file, a module that does not fit it, a factory that fails
+        raise ConfigError(f"{path}: cannot load it into the model: {type(e).__name__}: "
+                          f"{(str(e).strip().splitlines() or [''])[0][:200]}") from None  # fmt: skip
+    return model.eval()
+
+
+def _module_of(run_dir: str, model_fn: ModelFn | None) -> nn.Module:
+    """The module a run directory's model.pt belongs to: `model_fn()`, else the run's model."""
     import json
 
     from ako.models import build_model
     from ako.run.imports import import_factory, is_spec
 
-    run_dir = str(run_dir)
-    path = os.path.join(run_dir, MODEL_FILE)
-    if not os.path.isfile(path):
-        raise ConfigError(f"run directory {run_dir!r}: no {MODEL_FILE} (the run did not finish)")
     name = load_toml(os.path.join(run_dir, "config.toml")).get("model", "cnn")
     if model_fn is not None:
         model = model_fn()
     elif is_spec(name):
         model = import_factory("model", name)()
-    elif name == "custom":
+    elif name == CUSTOM:
         raise ConfigError(f"run directory {run_dir!r}: its model was a model_fn of __main__: pass it as model_fn")
     else:
         with open(os.path.join(run_dir, "summary.json")) as f:
             saved = json.load(f)["saved_model"]
         model = build_model(name, tuple(saved["input_shape"]), saved["num_classes"])
-    try:
-        model.load_state_dict(torch.load(path, weights_only=True))
-    except RuntimeError as e:
-        raise ConfigError(f"{path}: does not fit the model: {str(e).splitlines()[0][:200]}") from None
-    return model.eval()
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model of {run_dir!r}: the factory returned {type(model).__name__}, not an nn.Module")
+    return model
 
 
 def simulate(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set: Dataset | None = None,

@@ -172,13 +172,17 @@ def config_from_args(args: argparse.Namespace, simulated: bool = False) -> Train
 
 def _settings(pairs: list[str]) -> dict:
     """`--optimizer-arg betas=0.9,0.95 --optimizer-arg amsgrad=true` as a dict, each value read as
-    TOML (numbers, true/false, a comma-separated list), else kept as text."""
+    TOML (numbers, true/false in any case, a list with or without its brackets), else kept as text."""
     settings = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"optimizer-arg {pair!r}: expected KEY=VALUE, like betas=0.9,0.95")
         text = text.strip()
+        if text.lower() in ("true", "false"):
+            text = text.lower()
+        if text[:1] in "([" and text[-1:] in ")]":
+            text = text[1:-1]
         try:
             value = tomllib.loads(f"v = [{text}]" if "," in text else f"v = {text}")["v"]
         except tomllib.TOMLDecodeError:

@@ -66,6 +66,8 @@ class TrainConfig:
     loss_fn: str | None = None  # your training loss as "package.module:function" (model, batch) -> loss
     eval_fn: str | None = None  # your evaluation, "package.module:function" (model, batch) -> {metric: value}
     collate_fn: str | None = None  # your collate function, "package.module:function" (samples) -> batch
+    optimizer_fn: str | None = None  # your optimizer, "package.module:function" (params) -> Optimizer
+    scheduler_fn: str | None = None  # your schedule, "package.module:function" (optimizer) -> LRScheduler
     eval_every: float = 0.5  # epochs between evaluations
     partitions: int | str = "auto"  # ako: p, or "auto"
     exchange: str = "auto"  # ako: how windows travel: "all-to-all", "ring", or "auto" (by the number of workers)
@@ -123,6 +125,8 @@ class TrainConfig:
 
 FIELDS = {f.name: f for f in fields(TrainConfig)}
 PRECISIONS = ("fp32", "bf16", "fp16")
+USER_FUNCTIONS = ("loss_fn", "eval_fn", "collate_fn", "optimizer_fn", "scheduler_fn")  # named as module:function
+CUSTOM = "custom"  # what config.toml says of a model, data set or function that has no importable name
 
 
 class Target(NamedTuple):
@@ -141,10 +145,10 @@ class Target(NamedTuple):
         return x >= self.value if self.op == ">=" else x <= self.value
 
     def __str__(self) -> str:
-        return f"{self.metric}{self.op}{self.value:g}"
+        return f"{self.metric}{self.op}{self.value!r}"  # the shortest exact form: 0.9999995, 1
 
 
-_TARGET = re.compile(r"^\s*([A-Za-z_]\w*)\s*(<=|>=)\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*$")
+_TARGET = re.compile(r"^\s*([A-Za-z_][\w.-]*?)\s*(<=|>=)\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*$")
 
 
 def parse_target(text: str) -> Target:
@@ -152,7 +156,10 @@ def parse_target(text: str) -> Target:
     match = _TARGET.match(str(text))
     if not match:
         raise ConfigError(f"target {show(text)}: expected a metric, >= or <=, and a number, like loss<=0.3 or accuracy>=0.85")
-    return Target(match.group(1), match.group(2), float(match.group(3)))
+    value = float(match.group(3))
+    if not math.isfinite(value):
+        raise ConfigError(f"target {show(text)}: the bound must be a finite number")
+    return Target(match.group(1), match.group(2), int(value) if value.is_integer() else value)
 
 _UNITS = {"bit": 1 / 8, "b": 1 / 8, "byte": 1, "B": 1}
 _PREFIX = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
@@ -251,16 +258,17 @@ def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
     for name in ("strategy", "dataset", "model", "backend", "out_dir"):
         if not isinstance(getattr(c, name), str) or not getattr(c, name):
             raise ConfigError(f"{name} {show(getattr(c, name))}: must be a non-empty string")
-    for name in ("loss_fn", "eval_fn", "collate_fn"):
-        if getattr(c, name) is not None and not (isinstance(getattr(c, name), str) and ":" in getattr(c, name)):
-            raise ConfigError(f"{name} {show(getattr(c, name))}: expected package.module:function")
+    for name in USER_FUNCTIONS:
+        value = getattr(c, name)
+        if value is not None and not (isinstance(value, str) and (":" in value or value == CUSTOM)):
+            raise ConfigError(f"{name} {show(value)}: expected package.module:function")
     if c.data_dir is not None and not isinstance(c.data_dir, str):
         raise ConfigError(f"data_dir {show(c.data_dir)}: must be a directory path")
     choice("strategy", c.strategy, STRATEGIES)
-    if ":" not in c.model:  # else the user's package.module:factory, imported by the job
-        choice("model", c.model, MODELS)
-    if ":" not in c.dataset:
-        choice("data set", c.dataset, DATASETS)
+    if ":" not in c.model and c.model != CUSTOM and c.model not in MODELS:  # else the job imports or refuses it
+        raise ConfigError(f"unknown model {c.model!r}: choose one of {', '.join(MODELS)}, or give your own as package.module:factory")
+    if ":" not in c.dataset and c.dataset != CUSTOM and c.dataset not in DATASETS:
+        raise ConfigError(f"unknown data set {c.dataset!r}: choose one of {', '.join(DATASETS)}, or give your own as package.module:factory")
     choice("backend", c.backend, BACKENDS)
     _validate_training(c)
     for option in {o.name: o for s in REGISTRY.values() for o in s.options if o.choices}.values():
@@ -330,7 +338,9 @@ def _validate_training(c: TrainConfig) -> None:
             setattr(c, name, kwargs.get(name, defaults[name]))
     try:
         OPTIMIZERS[c.optimizer]([torch.zeros(1)], **optimizer_kwargs(c))
-    except (TypeError, ValueError, RuntimeError) as e:
+    except ConfigError:
+        raise
+    except Exception as e:  # torch's own checks of the values (TypeError, ValueError, KeyError...)
         raise ConfigError(f"optimizer {c.optimizer}: {str(e).splitlines()[0][:200]}") from None
     if c.warmup is not None:
         c.warmup = parse_warmup(c.warmup)

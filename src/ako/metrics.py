@@ -148,12 +148,16 @@ def format_summary(s: dict) -> str:
     if s.get("final_model"):
         m = s["final_model"]
         name = m["metric"]
-        flushed, unflushed = f"{name} {m[f'flushed_{name}']:.4f}", f"{m[f'unflushed_{name}']:.4f}"
+        flushed, unflushed = figure(m[f"flushed_{name}"]), figure(m[f"unflushed_{name}"])
         if m["source"] == "the replicas after the flush":
-            lines.append(f"  final model      the replicas after the flush ({flushed}; rank 0's before it {unflushed})")
+            lines.append(f"  final model      the replicas after the flush ({name} {flushed}; rank 0's before it {unflushed})")
         else:
             lines.append(f"  final model      rank 0's replica before the flush ({name} {unflushed}): the flush made "
-                         f"the replicas worse ({m[f'flushed_{name}']:.4f})")  # fmt: skip
+                         f"the replicas worse ({flushed})")  # fmt: skip
+    if s.get("saved_model"):
+        m = s["saved_model"]
+        figures = ", ".join(f"{k[5:]} {figure(v)}" for k, v in m.items() if k.startswith("test_"))
+        lines.append(f"  saved model      {m['file']}: {m['source']} ({figures})")
     if s.get("run_dir"):
         lines.append(f"  run directory    {s['run_dir']}")
     return "\n".join(lines)
@@ -164,10 +168,11 @@ def _metric_lines(s: dict) -> list[str]:
     each accuracy milestone, and the time to the target."""
     lines = []
     for name, value in s["test_metrics"].items():
-        text = f"{value:.4f} (rank 0's replica)"
+        text = f"{figure(value)} (rank 0's replica)"
         for where, label in (("average", "average of the replicas"), ("centre", "centre variable")):
-            if s.get(f"{where}_{name}") is not None:
-                text += f", {s[f'{where}_{name}']:.4f} ({label})"
+            present = "average_time_to_accuracy" in s if where == "average" else f"{where}_{name}" in s
+            if present and f"{where}_{name}" in s:
+                text += f", {figure(s[f'{where}_{name}'])} ({label})"
         lines.append(f"  test {name:<11} {text}")
     target = s.get("target_accuracy")
     if s["time_to_accuracy"]:
@@ -202,9 +207,19 @@ def write_summary(run_dir: Path, summary: dict) -> None:
     write_atomic(run_dir / "summary.json", json.dumps(finite(summary), indent=2) + "\n")
 
 
-def finite(record: dict) -> dict:
-    """`record` with NaN and infinite numbers (a diverged run's loss) as None: JSON has no NaN."""
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+def finite(record):
+    """`record` (a dict, and the dicts and lists in it) with NaN and infinite numbers (a
+    diverged run's loss) as None: JSON has no NaN."""
+    if isinstance(record, dict):
+        return {k: finite(v) for k, v in record.items()}
+    if isinstance(record, list):
+        return [finite(v) for v in record]
+    return None if isinstance(record, float) and not math.isfinite(record) else record
+
+
+def figure(x) -> str:
+    """A metric as printed: 4 decimals, or "n/a" where it diverged (NaN, infinite, None)."""
+    return f"{x:.4f}" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a (diverged)"
 
 
 def _rounded(x: float | None) -> float | None:

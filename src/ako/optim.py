@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,16 +62,40 @@ def optimizer_kwargs(config) -> dict[str, object]:
         if value is None:
             continue
         if name not in allowed:
+            if value is False:  # --no-nesterov: off is what an optimizer without it does anyway
+                continue
             raise ConfigError(f"{name} {show(value)}: optimizer {config.optimizer} has no such setting "
                               f"(it takes {', '.join(allowed)})")  # fmt: skip
         kwargs[name] = value
     for key, value in (config.optimizer_args or {}).items():
+        if key in ("lr", "momentum", "nesterov", "weight_decay"):
+            raise ConfigError(f"optimizer_args {key!r}: give it as --{key.replace('_', '-')} (a setting of its own)")
         if key not in allowed:
-            raise ConfigError(f"optimizer_args {key!r}: optimizer {config.optimizer} takes {', '.join(allowed)}")
-        kwargs[key] = tuple(value) if isinstance(value, list) else value
+            raise ConfigError(f"optimizer_args {key!r} (--optimizer-arg): optimizer {config.optimizer} takes {', '.join(allowed)}")
+        kwargs[key] = _checked(config.optimizer, key, value, allowed[key])
     if kwargs.get("nesterov") and not kwargs.get("momentum"):
         kwargs["nesterov"] = False  # Nesterov is a form of momentum: nothing to do without it
     return kwargs
+
+
+def _checked(optimizer: str, key: str, value, default):
+    """`value` for setting `key`, whose default is `default`, if it is of that kind (a bool for
+    a bool, a finite number for a number, as many numbers for a tuple). Raises ConfigError."""
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    if isinstance(default, bool):
+        ok, kind = isinstance(value, bool), "true or false"
+    elif isinstance(default, (int, float)):
+        ok, kind = number(value), "a finite number"
+    elif isinstance(default, tuple):
+        ok = isinstance(value, (list, tuple)) and len(value) == len(default) and all(number(x) for x in value)
+        kind, value = f"{len(default)} numbers, like {','.join(map(str, default))}", tuple(value) if ok else value
+    else:
+        ok, kind = True, ""
+    if not ok:
+        raise ConfigError(f"optimizer_args {key} {show(value)} (--optimizer-arg): {optimizer}'s {key} is {kind}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -98,14 +123,25 @@ class Optimization:
     def build(self, params: torch.Tensor) -> FlatOptimizer:
         """An optimizer (with its schedule) stepping `params` (numel,), in place: a leaf
         tensor or a view of one (a server's shard)."""
+        kwargs = None
         if self.optimizer_fn is not None:
             optimizer = self.optimizer_fn([params])
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                raise TypeError(f"optimizer_fn returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
         else:
             kwargs = {**optimizer_kwargs(self.config), "lr": self.base_lr}
             optimizer = OPTIMIZERS[self.config.optimizer]([params], **kwargs)
         if self.scheduler_fn is not None:
-            return FlatOptimizer(params, optimizer, self.scheduler_fn(optimizer))
-        return FlatOptimizer(params, optimizer, schedule(optimizer, self.config, self.steps))
+            scheduler = self.scheduler_fn(optimizer)
+            if not isinstance(scheduler, lr_scheduler.LRScheduler):
+                raise TypeError(f"scheduler_fn returned {type(scheduler).__name__}, not a torch.optim.lr_scheduler.LRScheduler"
+                                " (ReduceLROnPlateau, which needs a metric, is not one)")  # fmt: skip
+            return FlatOptimizer(params, optimizer, scheduler)
+        return FlatOptimizer(params, optimizer, self.schedule(optimizer), rebuild=self.schedule, settings=kwargs)
+
+    def schedule(self, optimizer: torch.optim.Optimizer):
+        """The configured schedule of `optimizer` over this run's steps."""
+        return schedule(optimizer, self.config, self.steps)
 
 
 def warmup_steps(config, steps_per_epoch: int) -> int:
@@ -158,10 +194,16 @@ def schedule(optimizer: torch.optim.Optimizer, config, steps: int) -> lr_schedul
 
 class FlatOptimizer:
     """A torch optimizer and its schedule on one flat vector `params` (numel,): `step(grad)`
-    takes the gradient as a tensor of the same shape rather than from `params.grad`."""
+    takes the gradient as a tensor of the same shape rather than from `params.grad`.
+    `rebuild(optimizer)` makes the schedule anew (the configured ones) and `settings` are the
+    configured hyper-parameters: a resumed run then follows its own settings and plan (its
+    --lr or --epochs may have changed), fast-forwarded to the saved step."""
 
-    def __init__(self, params: torch.Tensor, optimizer: torch.optim.Optimizer, scheduler=None):
-        self.params, self.optimizer, self.scheduler = params, optimizer, scheduler
+    def __init__(self, params: torch.Tensor, optimizer: torch.optim.Optimizer, scheduler=None, rebuild=None,
+                 settings: dict | None = None):  # fmt: skip
+        self.params, self.optimizer, self.scheduler, self.rebuild = params, optimizer, scheduler, rebuild
+        self.settings = settings
+        self.steps = 0
 
     @torch.no_grad()
     def step(self, grad: torch.Tensor) -> None:
@@ -169,6 +211,7 @@ class FlatOptimizer:
         self.params.grad = grad
         self.optimizer.step()
         self.params.grad = None
+        self.steps += 1
         if self.scheduler is not None:
             self.scheduler.step()
 
@@ -178,13 +221,23 @@ class FlatOptimizer:
         return float(self.optimizer.param_groups[0]["lr"])
 
     def state_dict(self) -> dict:
-        """Optimizer and schedule state (torch's state dicts), for a checkpoint."""
+        """Optimizer and schedule state (torch's state dicts) and the steps taken, for a checkpoint."""
         scheduler = None if self.scheduler is None else self.scheduler.state_dict()
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": scheduler}
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": scheduler, "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
+        self.steps = int(state.get("steps", 0))
+        if self.rebuild is not None:
+            for group in self.optimizer.param_groups:  # this run's settings and its schedule's start
+                group.update(self.settings or {})
+                group["lr"] = group["initial_lr"] = (self.settings or {}).get("lr", group.get("initial_lr", group["lr"]))
+            self.scheduler = self.rebuild(self.optimizer)
+            with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": on purpose here
+                warnings.simplefilter("ignore", UserWarning)
+                for _ in range(self.steps if self.scheduler is not None else 0):
+                    self.scheduler.step()
+        elif self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
 
 

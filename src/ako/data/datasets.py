@@ -60,6 +60,8 @@ class DataSplit:
         num_classes: labels are in ``0 .. num_classes - 1``.
         source: the directory the files came from, or "scikit-learn bundled digits".
         notice: for "auto" when it fell back to digits, a one-line explanation; else None.
+        standardisation: (mean, std) in pixel units (0..255 for IDX, 0..16 for digits): a
+            sample is ``(pixel - mean) / std``.
     """
 
     name: str
@@ -69,6 +71,7 @@ class DataSplit:
     num_classes: int
     source: str
     notice: str | None = None
+    standardisation: tuple[float, float] = (0.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,7 @@ def load_dataset(
         num_classes=raw.num_classes,
         source=raw.source,
         notice=notice,
+        standardisation=(mean, std),
     )
 
 

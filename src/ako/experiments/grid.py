@@ -40,7 +40,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from ako.config import FIELDS, ConfigError, TrainConfig, parse_target, validate
+from ako.config import FIELDS, USER_FUNCTIONS, ConfigError, TrainConfig, parse_target, validate
+from ako.run.imports import import_factory, is_spec
 
 RUNTIMES = ("simulate", "train")
 MAX_CELLS = 10_000
@@ -261,7 +262,10 @@ def _arms(value, base: dict) -> dict[str, dict]:
 
 def _check_cell(cell: Cell) -> None:
     try:
-        validate(TrainConfig(**cell.settings), simulated=cell.runtime == "simulate")
+        config = validate(TrainConfig(**cell.settings), simulated=cell.runtime == "simulate")
+        for name in ("model", "dataset", *USER_FUNCTIONS):  # the user's own, by name: importable?
+            if is_spec(getattr(config, name)):
+                import_factory(name, getattr(config, name))
     except ConfigError as e:
         raise ConfigError(f"cell {cell.name}: {e}") from None
     except TypeError as e:  # a value TrainConfig cannot even hold

@@ -95,7 +95,7 @@ def run_sweep(sweep: Sweep, out: Path, jobs: int = 1, progress: bool | None = No
                     cell = running.pop(future)
                     status, line = future.result()
                     if status == EXIT_BAD_INPUT:
-                        raise SweepFailed(f"cell {cell.name}: {line}")
+                        raise SweepFailed(f"cell {cell.name}: {line.removeprefix('ako: error: ')}")
                     if status != 0:
                         failed.append((cell, line))
                     bar.write(f"{'failed' if status else 'done  '} {cell.name}: {line}")

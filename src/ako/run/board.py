@@ -8,7 +8,7 @@ import pathlib
 from ako.checks import ConfigError
 
 _AXES = ("time", "wall", "samples")  # the axes of every scalar, not scalars themselves
-_GROUPS = ("test_", "average_")
+_GROUPS = ("test_", "average_", "centre_", "train_")
 
 
 class Board:

@@ -3,6 +3,9 @@ A-BSP's samples waiting from an unfinished iteration."""
 
 from __future__ import annotations
 
+import ctypes
+import signal
+import sys
 from itertools import count
 
 import torch
@@ -15,16 +18,17 @@ class DataCursor:
     """Where worker `rank` of `world_size` is in its shard of `train_set`: one optimizer step
     takes `accumulate` micro-batches of `batch_size` samples (reshuffled every epoch from
     `seed`), each made by `collate_fn` (default: `fetch`'s). With `num_workers` > 0 a torch
-    `DataLoader` with that many processes loads them ahead, in the same order.
+    `DataLoader` with that many processes loads them ahead, in the same order, and a batch
+    that takes longer than `timeout` seconds fails the run.
 
     A-BSP's iterations may end before all of a mini-batch is processed: the samples not done
     wait (`waiting`, with the iteration each was first assigned in) and go first next time,
     then fresh ones from the shard's sample stream, of which `taken` have been handed out."""
 
     def __init__(self, train_set, rank: int, world_size: int, batch_size: int, seed: int, *, accumulate: int = 1,
-                 collate_fn=None, num_workers: int = 0):  # fmt: skip
+                 collate_fn=None, num_workers: int = 0, timeout: float = 0.0):  # fmt: skip
         self.train_set, self.micro, self.batch_size = train_set, batch_size, batch_size * accumulate
-        self.collate_fn, self.num_workers = collate_fn, num_workers
+        self.collate_fn, self.num_workers, self.timeout = collate_fn, num_workers, timeout
         self.sampler = ShardSampler(len(train_set), rank, world_size, self.batch_size, seed)
         self._loaded = None  # the DataLoader's iterator, from the step it was made at
         self.step = 0  # mini-batches (or A-BSP assignments) begun
@@ -60,7 +64,7 @@ class DataCursor:
         micro_batches = ([c.tolist() for c in self.sampler.batch(t).split(self.micro)] for t in count(self.step))
         order = _Chunks(micro_batches)
         return DataLoader(self.train_set, batch_sampler=order, collate_fn=self.collate_fn or default_collate,
-                          num_workers=self.num_workers)  # fmt: skip
+                          num_workers=self.num_workers, timeout=self.timeout, worker_init_fn=_die_with_parent)  # fmt: skip
 
     def next_assignment(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A-BSP: this iteration's samples (indices int64 (B,)): those left waiting last time
@@ -93,6 +97,13 @@ class DataCursor:
         self._loaded = None
         self.step, self.samples, self.taken = int(state["step"]), int(state["samples"]), int(state["taken"])
         self.waiting, self.waiting_since = state["waiting"], state["waiting_since"]
+
+
+def _die_with_parent(_worker_id: int) -> None:
+    """A loader process ends when its worker does (Linux): a failed worker leaves the run at
+    once, and a loader stuck in the user's __getitem__ must not outlive it."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
 
 
 class _Chunks:

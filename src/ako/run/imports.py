@@ -5,6 +5,7 @@ the same name for a factory the API was given, so that config.toml records it fo
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -43,12 +44,18 @@ def import_factory(setting: str, spec: str) -> Callable:
 
 
 def spec_of(fn: Callable | None) -> str | None:
-    """`module:qualname` of an importable top-level function or class (not one of `__main__`,
-    which another process cannot import by that name), else None."""
-    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
-    if fn is None or not module or module == "__main__" or "<" in name:
+    """`module:qualname` of a function or class that importing that name gives back (not one
+    of `__main__`, which another process cannot import by that name; not a lambda, a nested
+    function, a bound method, a partial or a callable object), else None."""
+    if not (inspect.isfunction(fn) or inspect.isclass(fn)):
         return None
-    return f"{module}:{name}"
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or module in ("__main__", "__mp_main__") or "<" in name:
+        return None
+    target = sys.modules.get(module)
+    for part in name.split("."):
+        target = getattr(target, part, None)
+    return f"{module}:{name}" if target is fn else None
 
 
 def call_factory(setting: str, spec: str, factory: Callable, *args):

@@ -6,6 +6,7 @@ top-level function) and the data sets picklable. Both runtimes build replicas an
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -16,10 +17,10 @@ from torch import nn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler, Subset
 from torch.utils.data import default_collate
 
-from ako.config import ConfigError, TrainConfig
+from ako.config import CUSTOM, USER_FUNCTIONS, ConfigError, TrainConfig
 from ako.data import DataError, fetch, load_dataset
 from ako.models import build_model
-from ako.optim import Optimization, OptimizerFn, SchedulerFn, check_elementwise
+from ako.optim import Optimization, OptimizerFn, SchedulerFn, check_elementwise, warmup_steps
 from ako.replica import EvalFn, LossFn, Replica
 from ako.run.imports import call_factory, import_factory, is_spec, spec_of
 from ako.strategies import STRATEGIES, Strategy
@@ -37,6 +38,7 @@ class Data:
     name: str
     notice: str | None = None
     collate_fn: Callable | None = None
+    standardisation: tuple[float, float] | None = None  # a built-in set's (mean, std) in pixel units
 
 
 @dataclass
@@ -67,11 +69,17 @@ class Job:
             self.strategy = STRATEGIES[self.config.strategy]
         if (self.train_set is None) != (self.test_set is None):
             raise ConfigError("give both train_set and test_set, or neither")
-        if self.model_fn is None and is_spec(self.config.model):
-            self.model_fn = import_factory("model", self.config.model)
-        for name in _FUNCTIONS:
-            if getattr(self, name) is None and getattr(self.config, name) is not None:
-                setattr(self, name, import_factory(name, getattr(self.config, name)))
+        c = self.config
+        if self.model_fn is None and is_spec(c.model):
+            self.model_fn = import_factory("model", c.model)
+        for name in USER_FUNCTIONS:
+            if getattr(self, name) is None and getattr(c, name) is not None:
+                _not_custom(name, getattr(c, name))
+                setattr(self, name, import_factory(name, getattr(c, name)))
+        if self.model_fn is None:
+            _not_custom("model", c.model, "model_fn")
+        if self.train_set is None:
+            _not_custom("dataset", c.dataset, "train_set and test_set")
         if self.train_set is not None:
             self.train_set, self.test_set = self._take_loaders(self.train_set, self.test_set)
 
@@ -80,8 +88,11 @@ class Job:
         collate function and (the training one's) batch size and loader processes go into this
         job. Raises ConfigError for one ako cannot shard."""
         if isinstance(train, DataLoader):
-            self.config = replace(self.config, batch_size=train.batch_size or self.config.batch_size,
-                                  num_workers=train.num_workers)  # fmt: skip
+            batch_size = train.batch_size or getattr(train.batch_sampler, "batch_size", None)
+            if batch_size is None:
+                raise ConfigError("train_set: a DataLoader with batch_size=None (no batches) cannot be sharded into "
+                                  "mini-batches; give it a batch_size, or pass the data set")  # fmt: skip
+            self.config = replace(self.config, batch_size=batch_size, num_workers=train.num_workers)
         for given in (train, test):
             if isinstance(given, DataLoader) and given.collate_fn is not default_collate and self.collate_fn is None:
                 self.collate_fn = given.collate_fn
@@ -91,7 +102,7 @@ class Job:
         """The data sets: the user's (given, or from a `package.module:factory` dataset), or a
         built-in one. Raises DataError or ConfigError."""
         c = self.config
-        train, test, name = self.train_set, self.test_set, "custom"
+        train, test, name = self.train_set, self.test_set, CUSTOM
         if train is None and is_spec(c.dataset):
             sets = call_factory("dataset", c.dataset, import_factory("dataset", c.dataset))
             if not (isinstance(sets, (tuple, list)) and len(sets) == 2):
@@ -103,13 +114,14 @@ class Job:
             shape, classes = (None, None) if self.model_fn is not None else _shape_and_classes(train)
             return Data(train, test, shape, classes, name, collate_fn=self.collate_fn)
         split = load_dataset(c.dataset, c.data_dir, c.train_samples, c.test_samples)
-        return Data(split.train, split.test, split.input_shape, split.num_classes, split.name, split.notice, self.collate_fn)
+        return Data(split.train, split.test, split.input_shape, split.num_classes, split.name, split.notice,
+                    self.collate_fn, split.standardisation)  # fmt: skip
 
     def resolved(self, data: Data) -> Job:
         """This job as it really runs: with the data set `auto` chose, the model by its
         `module:factory` name where it has one (else "custom"), and the user's functions by
         theirs, so that config.toml names them for a resume."""
-        names = {name: getattr(self.config, name) or spec_of(getattr(self, name)) for name in _FUNCTIONS}
+        names = {name: self.name_of(name) for name in USER_FUNCTIONS}
         return replace(self, config=replace(self.config, dataset=data.name, model=self.model_name, **names))
 
     @property
@@ -117,7 +129,21 @@ class Job:
         """`config.model`, or the user's model_fn as `module:factory` (else "custom")."""
         if self.model_fn is None or is_spec(self.config.model):
             return self.config.model
-        return spec_of(self.model_fn) or "custom"
+        return spec_of(self.model_fn) or CUSTOM
+
+    def name_of(self, function: str) -> str | None:
+        """How config.toml names the user's `function` (one of USER_FUNCTIONS): as the config
+        gives it, else as `module:function`, else "custom"; None when there is none."""
+        given = getattr(self, function)
+        if given is None or getattr(self.config, function) is not None:
+            return getattr(self.config, function)
+        return spec_of(given) or CUSTOM
+
+    @property
+    def optimizer_name(self) -> str:
+        """The optimizer a checkpoint must have been written with: the configured one's name,
+        or the user's optimizer_fn's."""
+        return self.name_of("optimizer_fn") or self.config.optimizer
 
     def steps_per_epoch(self, data: Data) -> int:
         """Optimizer steps per worker per epoch: the shard's whole steps of `step_samples`."""
@@ -131,51 +157,87 @@ class Job:
     def optimization(self, data: Data) -> Optimization:
         return Optimization(self.config, self.planned_steps(data), self.optimizer_fn, self.scheduler_fn)
 
-    def build_replica(self, data: Data, device: torch.device) -> Replica:
-        """A replica with the model initialised from the run seed (identical on every worker)."""
+    def build_model(self, data: Data) -> nn.Module:
+        """A fresh model, initialised from the run seed (identical on every worker). Raises
+        ConfigError (one line) when the factory fails or gives no module."""
         torch.manual_seed(self.config.seed)
-        if self.model_fn is not None:
-            model = call_factory("model", self.model_name, self.model_fn)
-            if not isinstance(model, nn.Module):
-                raise ConfigError(f"model {self.model_name!r}: the factory returned {type(model).__name__}, not an nn.Module")
-        else:
-            model = build_model(self.config.model, data.input_shape, data.num_classes)
+        if self.model_fn is None:
+            try:
+                return build_model(self.config.model, data.input_shape, data.num_classes)
+            except (RuntimeError, ValueError) as e:  # a built-in model sizes its layers from the input shape
+                raise ConfigError(f"model {self.model_name!r} cannot take inputs of shape {tuple(data.input_shape)}: "
+                                  f"{str(e).splitlines()[0][:200]}") from None  # fmt: skip
+        model = call_factory("model", self.model_name, self.model_fn)
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model {self.model_name!r}: the factory returned {type(model).__name__}, not an nn.Module")
+        return model
+
+    def build_replica(self, data: Data, device: torch.device) -> Replica:
+        """A replica of a fresh model (`build_model`) with the run's optimizer and training step."""
+        model = self.build_model(data).to(device)
         c = self.config
-        return Replica(model.to(device), self.optimization(data), self.loss_fn, self.eval_fn, data.collate_fn, c.precision)
+        return Replica(model, self.optimization(data), self.loss_fn, self.eval_fn, data.collate_fn, c.precision)
 
     def check(self) -> tuple[Data, int]:
         """Everything about the job itself that can fail before processes start; returns the
         loaded data and the model's parameter count. Raises ConfigError or DataError with a
         one-line message."""
         data = self.load_data()
+        model = self.build_model(data)
         try:
-            replica = self.build_replica(data, torch.device("cpu"))
-        except (RuntimeError, ValueError) as e:  # a built-in model sizes its layers from the input shape
-            shape = "" if data.input_shape is None else f" of shape {tuple(data.input_shape)}"
-            raise ConfigError(f"model {self.model_name!r} cannot take inputs{shape}: {str(e).splitlines()[0][:200]}") from None
+            replica = Replica(model, self.optimization(data), self.loss_fn, self.eval_fn, data.collate_fn, self.config.precision)
+        except ConfigError:
+            raise
+        except Exception as e:  # the optimizer or schedule (the user's, or a setting torch refuses)
+            raise ConfigError(f"{self._optimizer_what()} failed: {type(e).__name__}: {_first_line(e)}") from None
         self.validate(data, replica.numel)
         self._try_step(replica, data)
-        if self.strategy.optimizer_on == "servers":
-            check_elementwise(self.optimization(data), self.strategy.name)
+        self._try_optimizer(data)
+        if self.config.tensorboard:
+            _check_tensorboard()
         check_out_dir(self.config.out_dir)
         return data, replica.numel
 
-    def _try_step(self, replica: Replica, data: Data) -> None:
-        """The loss and the evaluation on two training samples, so that a model, data set or
-        function that does not fit fails here, in one line, and not in every worker."""
-        batch = fetch(data.train, torch.arange(min(2, len(data.train))), data.collate_fn)
-        what = f"model {self.model_name!r}"
+    def _optimizer_what(self) -> str:
+        if self.optimizer_fn is not None or self.scheduler_fn is not None:
+            return " or ".join(n for n in ("optimizer_fn", "scheduler_fn") if getattr(self, n) is not None)
+        return f"optimizer {self.config.optimizer}"
+
+    def _try_optimizer(self, data: Data) -> None:
+        """Three steps of the optimizer and schedule on a probe vector: on two halves against the
+        whole vector where servers step shards (`check_elementwise`), else on the whole."""
+        if self.strategy.optimizer_on == "servers":
+            check_elementwise(self.optimization(data), self.strategy.name)
+            return
         try:
+            optimizer = self.optimization(data).build(torch.zeros(8))
+            for k in range(3):
+                optimizer.step(torch.full((8,), 0.1 * (k + 1)))
+        except Exception as e:  # the user's functions, or a setting only a step finds
+            raise ConfigError(f"{self._optimizer_what()}: a step failed: {type(e).__name__}: {_first_line(e)}") from None
+
+    def _try_step(self, replica: Replica, data: Data) -> None:
+        """The loss on two training samples and the evaluation on two test samples, so that a
+        model, data set or function that does not fit fails here, in one line, and not in
+        every worker."""
+        what = "the training set or collate_fn"
+        try:
+            batch = fetch(data.train, torch.arange(min(2, len(data.train))), data.collate_fn)
+            what = "loss_fn" if self.loss_fn is not None else f"model {self.model_name!r}"
             replica.compute_gradient([batch])
-            what = "eval_fn" if self.eval_fn is not None else what
+            what = "the test set or collate_fn"
+            test = fetch(data.test, torch.arange(min(2, len(data.test))), data.collate_fn)
+            what = "eval_fn" if self.eval_fn is not None else f"model {self.model_name!r}"
             with torch.no_grad():
-                metrics = replica.eval_fn(replica.model.eval(), batch)
+                metrics = replica.eval_fn(replica.model.eval(), test)
         except Exception as e:  # the user's code: any error, said in one line
-            what = "loss_fn" if self.loss_fn is not None and what.startswith("model") else what
-            raise ConfigError(f"{what} failed on a batch of the training set: {type(e).__name__}: "
-                              f"{(str(e).splitlines() or [''])[0][:200]}") from None  # fmt: skip
+            raise ConfigError(f"{what} failed on a batch of two samples: {type(e).__name__}: {_first_line(e)}") from None
         if not isinstance(metrics, dict) or not metrics:
-            raise ConfigError(f"eval_fn: must return a dict of metric -> number, got {type(metrics).__name__}")
+            raise ConfigError(f"eval_fn: must return a non-empty dict of metric name -> number, got {metrics!r:.80}")
+        for name, value in metrics.items():
+            number = isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+            if not isinstance(name, str) or not number or isinstance(value, bool) or torch.is_complex(torch.as_tensor(value)):
+                raise ConfigError(f"eval_fn: metric {name!r} = {value!r:.60}: each must be named by a string and be a real number")
         goal = self.config.goal
         if goal is not None and goal.metric not in metrics:
             raise ConfigError(f"target {str(goal)!r}: the evaluation has no metric {goal.metric!r} "
@@ -185,7 +247,8 @@ class Job:
         """What a checkpoint must agree with for this job to resume from it."""
         c = self.config
         world = c.workers + (c.servers or 0)
-        return {"strategy": self.strategy.name, "model": self.model_name, "numel": numel, "world": world}
+        return {"strategy": self.strategy.name, "model": self.model_name, "optimizer_name": self.optimizer_name,
+                "numel": numel, "world": world}  # fmt: skip
 
     def validate(self, data: Data, numel: int) -> None:
         """The settings that depend on the data and the model: the strategy's options against
@@ -202,9 +265,28 @@ class Job:
             )
         if len(data.test) == 0:
             raise DataError(f"data set {data.name!r}: the test set is empty")
+        warm, planned = warmup_steps(c, self.steps_per_epoch(data)), self.planned_steps(data)
+        if self.scheduler_fn is None and warm > planned:
+            raise ConfigError(f"warmup {c.warmup}: {warm} optimizer steps, longer than the run's {planned}")
 
 
-_FUNCTIONS = ("loss_fn", "eval_fn", "collate_fn")  # the user's functions a config may name as module:function
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [""])[0][:200]
+
+
+def _check_tensorboard() -> None:
+    try:
+        importlib.import_module("torch.utils.tensorboard")  # the writer needs the tensorboard package
+    except ImportError:
+        raise ConfigError("tensorboard: the tensorboard package is not installed (pip install tensorboard)") from None
+
+
+def _not_custom(setting: str, value, give: str | None = None) -> None:
+    """Raise ConfigError for "custom": a run whose function or data lived in `__main__` (no
+    importable name), which only the same script can give again."""
+    if value == CUSTOM:
+        raise ConfigError(f"{setting} 'custom': the run's {setting} had no importable name (a function of __main__ "
+                          f"or data in memory): resume it with ako.train(..., {give or setting}=...) from its script")
 
 
 def check_out_dir(out_dir: str) -> None:
@@ -229,6 +311,8 @@ def _shape_and_classes(dataset) -> tuple[tuple[int, ...], int]:
         return tuple(x.shape), 1 + max(int(dataset[i][1]) for i in range(len(dataset)))
     except (TypeError, ValueError, AttributeError):
         raise ConfigError("a built-in model needs samples of (x, label); give your own model for other data") from None
+    except Exception as e:  # the user's data set failed to give a sample
+        raise ConfigError(f"the training set failed on a sample: {type(e).__name__}: {_first_line(e)}") from None
 
 
 def _unpack(role: str, given):

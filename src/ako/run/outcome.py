@@ -3,6 +3,7 @@ and rank 0's summary (evaluated, written to summary.json, printed)."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -77,8 +78,8 @@ def final_model(state: WorkerState, unflushed: torch.Tensor, final: dict, test_s
     flush that averages replicas which drifted apart can make the model worse: it is reported)."""
     metrics = state.replica.evaluate_params(unflushed.to(state.replica.params.device), test_set)
     name, higher = objective(state.goal, metrics)
-    flushed, mine = final[f"test_{name}"], round(metrics[name], 5)
-    worse = mine > flushed if higher else mine < flushed  # a tie keeps the flushed replicas
+    flushed, mine = final.get(f"test_{name}"), round(metrics[name], 5)
+    worse = _better(mine, flushed, higher)  # a tie keeps the flushed replicas
     return {
         "source": "rank 0's replica before the flush" if worse else "the replicas after the flush",
         "metric": name,
@@ -125,14 +126,27 @@ def final_summary(
     return summary, model.detach().cpu().clone()
 
 
+def _better(a, b, higher: bool) -> bool:
+    """Whether metric value `a` beats `b`; a diverged value (None, NaN) beats nothing."""
+    def ok(x):
+        return isinstance(x, (int, float)) and math.isfinite(x)
+
+    if not ok(a):
+        return False
+    return not ok(b) or (a > b if higher else a < b)
+
+
 def handed_back(summary: dict, facts: dict, state: WorkerState, finals, reports) -> tuple[str, torch.Tensor]:
     """The model the run hands back (numel,) and what it is: easgd's centre variable; under
-    ako rank 0's replica before the flush when that tests better (`final_model`); the
-    replicas' average where they differ (gossip); else rank 0's replica."""
+    ako the flushed replicas or rank 0's replica before the flush, whichever tests better
+    (`final_model`); the replicas' average where they differ (gossip); else rank 0's replica."""
     if facts.get("centre") is not None:
         return "the centre variable", facts["centre"]
-    if summary.get("final_model", {}).get("source") == "rank 0's replica before the flush":
-        return "rank 0's replica before the flush", torch.as_tensor(facts["unflushed"])
+    chosen = summary.get("final_model", {}).get("source")
+    if chosen == "rank 0's replica before the flush":
+        return chosen, torch.as_tensor(facts["unflushed"])
+    if chosen is not None:
+        return chosen, state.replica.params  # the flush made every replica the same
     if finals:
         weights = [float(r.get("average_weight", 1.0)) for r in reports if r["role"] == "worker"]
         stacked = torch.stack([r.to(state.replica.params.device) for r in finals])
@@ -158,8 +172,11 @@ def save_model(run_dir: Path, replica, params: torch.Tensor, source: str, data) 
     torch.save(state, tmp)
     os.replace(tmp, path)
     shape = None if data.input_shape is None else list(data.input_shape)
-    return {"file": MODEL_FILE, "source": source, **prefixed("test", metrics), "input_shape": shape,
-            "num_classes": data.num_classes}  # fmt: skip
+    saved = {"file": MODEL_FILE, "source": source, **prefixed("test", metrics), "input_shape": shape,
+             "num_classes": data.num_classes}  # fmt: skip
+    if data.standardisation is not None:  # what a user must do to raw pixels to feed this model
+        saved["pixel_mean"], saved["pixel_std"] = (round(v, 6) for v in data.standardisation)
+    return saved
 
 
 def publish(run_dir: Path, summary: dict, *more_lines: str) -> None:

@@ -81,7 +81,7 @@ class WorkerState:
         self.clock, self.traffic, self.on_target = clock, traffic, on_target
         self.consensus, self.checkpointer = consensus, checkpointer
         self.cursor = DataCursor(train_set, rank, world_size, config.batch_size, config.seed, accumulate=config.accumulate,
-                                 collate_fn=replica.collate_fn, num_workers=num_workers)  # fmt: skip
+                                 collate_fn=replica.collate_fn, num_workers=num_workers, timeout=config.timeout)  # fmt: skip
         self.goal = config.goal
         self.evaluator = None
         if log is not None:
@@ -91,6 +91,7 @@ class WorkerState:
         self.eval_steps = max(1, round(config.eval_every * per_epoch))
         self.slowdown = Slowdown([parse_straggler(t) for t in config.straggler], rank, config.seed)
         self.stop_requested = False
+        self.loss_sum, self.loss_count = 0.0, 0  # training losses since the last record
         self.checkpoint_at: int | None = None  # the step of the checkpoint called for, if any
         self.next_checkpoint = checkpointer.every if checkpointer is not None else math.inf
         self.resumed = (0, 0.0)  # (step, training seconds) this process started from
@@ -170,7 +171,9 @@ class WorkerState:
             self.bar.update(self.cursor.step)
 
     def computed(self, loss: float) -> None:
-        """Called after each gradient: moves the progress bar (rank 0)."""
+        """Called after each gradient: tallies the training loss for the next record and moves
+        the progress bar (rank 0)."""
+        self.loss_sum, self.loss_count = self.loss_sum + loss, self.loss_count + 1
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.3f}", epoch=f"{self.cursor.epoch:.2f}", refresh=False)
             self.bar.update()
@@ -186,6 +189,12 @@ class WorkerState:
 
     def _progress_record(self) -> dict:
         sent, received = self.traffic()
+        training = {}
+        if self.loss_count:  # the mean mini-batch loss since the last record, and the rate now
+            training["train_loss"] = round(self.loss_sum / self.loss_count, 5)
+            self.loss_sum, self.loss_count = 0.0, 0
+        if self.replica.optimizer.steps:  # this worker steps its optimizer (not bsp's, whose servers do)
+            training["lr"] = float(f"{self.replica.optimizer.lr:.6g}")
         return {
             "time": round(self.clock.now(), 4),
             "wall": round(self.clock.wall(), 4),
@@ -193,6 +202,7 @@ class WorkerState:
             "samples": self.cursor.step * self.cursor.batch_size * self.world_size,
             "bytes_sent": sent,
             "bytes_received": received,
+            **training,
         }
 
     def finish(self, final_fields: dict | None = None) -> dict:

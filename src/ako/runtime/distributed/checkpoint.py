@@ -23,9 +23,12 @@ both with the bytes moved so far. Not saved: state a strategy program keeps betw
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import pickle
 import shutil
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -126,6 +129,26 @@ def check(state: dict, expected: dict, file: str, contents: bool = False) -> Non
                 f"checkpoint {file!r}: written by a run with {key} {state.get(key)!r}, not {want!r}; "
                 "resume with the settings it was written with"
             )
+
+
+def check_unfinished(config) -> None:
+    """Raise CheckpointError when `config.resume` names a run that finished whole (its
+    summary.json is written and no rank was lost) and `config` would not train it further (no
+    more epochs or time): resuming would only redo its last steps and overwrite its results.
+    A run that carried on without a lost worker may be resumed, to redo its end with all."""
+    run_dir = Path(config.resume)
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        saved = tomllib.loads((run_dir / "config.toml").read_text())
+    except (OSError, ValueError):  # not finished (or unreadable: `find` says what is wrong)
+        return
+    if summary.get("lost_ranks"):
+        return
+    longer = config.epochs > float(saved.get("epochs", 0)) or (
+        config.max_time is not None and config.max_time > float(saved.get("max_time") or math.inf))
+    if not longer:
+        raise CheckpointError(f"resume {str(run_dir)!r}: that run finished (its summary.json is written); "
+                              "give a larger --epochs (or --max-time) to train it further")  # fmt: skip
 
 
 def find(run_dir: str | os.PathLike, expected: dict, workers: int) -> int:

@@ -206,6 +206,7 @@ def _run_dir(job: Job, data, rank: int, store: dist.Store, runtime: DistributedR
     key = "ako/run_dir"
     if rank == 0:
         if config.resume is not None:
+            checkpoint.check_unfinished(config)
             run_dir, point = Path(config.resume), checkpoint.find(config.resume, identity, config.workers)
         elif attempt > 0 and store.check([key]):
             run_dir = Path(store.get(key).decode())
