@@ -156,7 +156,8 @@ def format_summary(s: dict) -> str:
                          f"the replicas worse ({flushed})")  # fmt: skip
     if s.get("saved_model"):
         m = s["saved_model"]
-        figures = ", ".join(f"{k[5:]} {figure(v)}" for k, v in m.items() if k.startswith("test_"))
+        tested = sorted(((k[5:], v) for k, v in m.items() if k.startswith("test_")), key=_accuracy_first)
+        figures = ", ".join(f"{name} {figure(v)}" for name, v in tested)
         lines.append(f"  saved model      {m['file']}: {m['source']} ({figures})")
     if s.get("run_dir"):
         lines.append(f"  run directory    {s['run_dir']}")
