@@ -142,3 +142,21 @@ def test_a_pending_call_for_a_checkpoint_is_kept_over_a_newer_one(role):
         calls.due = None
     calls.called(130)
     assert (state.checkpoint_at if state else calls.due) == 130
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, capsys):
+    """Steps 7 and 9 complete; step 9's rank 1 file damaged: the resume takes step 7 and
+    says why in one whole line."""
+    run_dir = checkpointed_run(tmp_path, strategy="allreduce")
+    job = Job(small_config(tmp_path, checkpoint_every="1s", strategy="allreduce"))
+    identity = job.identity(job.build_replica(job.load_data(), torch.device("cpu")).numel)
+    for rank in range(2):
+        checkpoint.save(run_dir, 9, rank, 2, {**identity, **WORKER_STATE})
+    checkpoint.path(run_dir, 9, 1).write_bytes(b"cut off")
+    assert checkpoint.find(run_dir, identity, 2, say=True) == 7
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "000000009/rank1.pt': cannot read it" in err
+    assert err.rstrip().endswith("resuming from the intact checkpoint at step 7 instead of step 9")
+    checkpoint.path(run_dir, 7, 0).write_bytes(b"cut off too")
+    with pytest.raises(checkpoint.CheckpointError, match="no intact complete checkpoint; the newest: checkpoint .*000000009"):
+        checkpoint.find(run_dir, identity, 2)

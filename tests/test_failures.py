@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -126,3 +127,24 @@ def test_a_stopped_worker_never_hangs_the_run(tmp_path, strategy):
         assert "worker rank 2 died; the others carried on" in out or "lost" in out, out
     else:
         assert code == 1 and "worker rank 2 failed: stopped (SIGSTOP or a debugger)" in err, err
+
+
+def test_a_failed_run_without_checkpoints_keeps_its_metrics(tmp_path):
+    """allreduce evaluates its snapshots after training; when a worker is killed mid-run,
+    rank 0 evaluates and logs the snapshots it took before it fails."""
+    out_dir = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "ako", "train", "--strategy", "allreduce", "--workers", "2", "--dataset", "digits",
+           "--batch-size", "16", "--epochs", "400", "--eval-every", "0.5", "--out-dir", str(out_dir), "--timeout", "10",
+           "--no-progress"]  # fmt: skip
+
+    def training(d, deadline):
+        while time.monotonic() < deadline and not list(d.glob("*/config.toml")):
+            time.sleep(0.05)
+        time.sleep(3.0)  # a few evaluation points (every 23 steps) in
+
+    code, out, err, _ = run_and_kill(cmd, "ako-rank1", out_dir, ready=training)
+    assert code == 1, err
+    (run_dir,) = out_dir.glob("*")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) >= 2 and all(0 <= r["test_accuracy"] <= 1 for r in records)
+    assert [r["epoch"] for r in records] == sorted(r["epoch"] for r in records) and records[-1]["time"] > 0

@@ -465,3 +465,11 @@ def test_load_model_of_a_damaged_model_file_is_one_error(tmp_path):
         ako.load_model(run_dir)
     with pytest.raises(ako.ConfigError, match="not a run directory"):
         ako.load_model(tmp_path / "nowhere")
+
+
+def test_samples_left_out_of_each_epoch_are_counted(tmp_path):
+    """390 samples, 2 workers, batch 16: shards of 195 give 12 steps each, 384 samples an
+    epoch; 6 are left out (others each epoch), and the summary says so."""
+    result = ako.train(small_config(tmp_path, strategy="allreduce", train_samples=390))
+    s = result.summary
+    assert (s["train_samples"], s["samples_left_out_per_epoch"], s["per_worker"][0]["samples"]) == (390, 6, 96)

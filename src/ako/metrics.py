@@ -121,6 +121,10 @@ def format_summary(s: dict) -> str:
         f"  sent per worker  {s['bytes_sent_per_worker_per_second'] / 1e6:.2f} MB/s "
         f"(received {s['bytes_received_per_worker_per_second'] / 1e6:.2f} MB/s)",
     ]
+    if s.get("samples_left_out_per_epoch"):
+        left, total = s["samples_left_out_per_epoch"], s["train_samples"]
+        lines.append(f"  data             {total - left} of {total} training samples an epoch: {left} ({left / total:.1%}) left out "
+                     "each epoch, other ones each time (whole steps of equal shards)")  # fmt: skip
     for server in s.get("per_server", []):
         lines.append(
             f"  server rank {server['rank']:<4} in {server['bytes_in_per_second'] / 1e6:.2f} MB/s, "

@@ -120,10 +120,21 @@ def final_summary(
     source, model = handed_back(summary, facts, state, finals, reports)
     summary["saved_model"] = save_model(run_dir, state.replica, model, source, data)
     state.evaluator.log.close()
+    summary.update(data_use(job, data))
     summary["lost_ranks"] = lost
     summary["resumed_from_step"] = resumed
     summary["run_dir"] = str(run_dir)
     return summary, model.detach().cpu().clone()
+
+
+def data_use(job: Job, data) -> dict:
+    """How much of the training set an epoch uses: each worker takes whole steps of its shard
+    of len(train) // workers samples, so up to workers x step_samples - 1 samples are left out
+    of each epoch (other ones each epoch, as the shuffle changes), as DistributedSampler with
+    drop_last does."""
+    c = job.config
+    used = c.workers * job.steps_per_epoch(data) * c.step_samples
+    return {"train_samples": len(data.train), "samples_left_out_per_epoch": len(data.train) - used}
 
 
 def _better(a, b, higher: bool) -> bool:

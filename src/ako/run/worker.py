@@ -205,6 +205,15 @@ class WorkerState:
             **training,
         }
 
+    def keep_metrics(self) -> None:
+        """Rank 0, when training failed: evaluate and log the snapshots taken so far, so that
+        metrics.jsonl holds the run up to the failure. Never raises: the failure is the news."""
+        try:
+            with self.clock.pause():
+                self.evaluator.evaluate(final=True)
+        except Exception:  # a peer's copy that cannot come, a broken evaluation: keep what is logged
+            pass
+
     def finish(self, final_fields: dict | None = None) -> dict:
         """Rank 0, after training (clock stopped): evaluate and log the remaining snapshots and
         the final replica, whose record gets `final_fields` as well; returns the final record."""

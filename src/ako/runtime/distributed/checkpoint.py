@@ -28,6 +28,7 @@ import math
 import os
 import pickle
 import shutil
+import sys
 import tomllib
 import zipfile
 from pathlib import Path
@@ -43,6 +44,10 @@ _KEEP = 2
 
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be read or does not fit the run (one line, exit status 2)."""
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint file that cannot be read or is not whole: an older one may do."""
 
 
 def directory(run_dir: str | os.PathLike) -> Path:
@@ -104,12 +109,12 @@ def load(run_dir: str | os.PathLike, point: int, rank: int) -> dict:
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {str(file)!r}: not found") from None
+        raise DamagedCheckpoint(f"checkpoint {str(file)!r}: not found") from None
     except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"checkpoint {str(file)!r}: cannot read it ({reason[:200]})") from None
+        raise DamagedCheckpoint(f"checkpoint {str(file)!r}: cannot read it ({reason[:200]})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {str(file)!r}: not an ako checkpoint (format {FORMAT})")
+        raise DamagedCheckpoint(f"checkpoint {str(file)!r}: not an ako checkpoint (format {FORMAT})")
     return state
 
 
@@ -122,7 +127,7 @@ def check(state: dict, expected: dict, file: str, contents: bool = False) -> Non
     if contents:
         missing = [k for k in _CONTENTS.get(state.get("role"), ("role",)) if k not in state]
         if missing:
-            raise CheckpointError(f"checkpoint {file!r}: incomplete, it has no {missing[0]!r}")
+            raise DamagedCheckpoint(f"checkpoint {file!r}: incomplete, it has no {missing[0]!r}")
     for key, want in expected.items():
         if state.get(key) != want:
             raise CheckpointError(
@@ -151,19 +156,34 @@ def check_unfinished(config) -> None:
                               "give a larger --epochs (or --max-time) to train it further")  # fmt: skip
 
 
-def find(run_dir: str | os.PathLike, expected: dict, workers: int) -> int:
-    """The step of `run_dir`'s latest complete checkpoint (complete for the world size it was
-    written by), after checking that every rank's file reads, is whole and fits `expected` and
-    this job's split into `workers` workers and the servers after them. Raises CheckpointError."""
+def find(run_dir: str | os.PathLike, expected: dict, workers: int, say: bool = False) -> int:
+    """The step of `run_dir`'s latest complete, intact checkpoint (complete for the world size
+    it was written by), after checking that every rank's file reads, is whole and fits
+    `expected` and this job's split into `workers` workers and the servers after them. A
+    damaged newer checkpoint is passed over for an older intact one (with `say`, a line on
+    stderr says so). Raises CheckpointError: no intact complete checkpoint (the newest
+    damage is named), or one written by another run."""
+    damaged: list[tuple[int, str]] = []
     for point in _points(run_dir):
         if not path(run_dir, point, 0).is_file():
             continue
-        world = load(run_dir, point, 0).get("world")
-        if isinstance(world, int) and _complete(run_dir, point, world):
+        try:
+            world = load(run_dir, point, 0).get("world")
+            if not (isinstance(world, int) and _complete(run_dir, point, world)):
+                continue
             for rank in range(world):
                 role = "worker" if rank < workers else "server"
                 check(load(run_dir, point, rank), {**expected, "role": role}, str(path(run_dir, point, rank)), contents=True)
-            return point
+        except DamagedCheckpoint as e:
+            damaged.append((point, str(e)))
+            continue
+        if damaged and say:
+            newest, why = damaged[0]
+            print(f"ako: {why}; resuming from the intact checkpoint at step {point} instead of step {newest}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        return point
+    if damaged:
+        raise CheckpointError(f"resume {str(run_dir)!r}: no intact complete checkpoint; the newest: {damaged[0][1]}")
     raise CheckpointError(f"resume {str(run_dir)!r}: no complete checkpoint in it (one file per rank)")
 
 

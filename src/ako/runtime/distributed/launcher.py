@@ -32,6 +32,7 @@ from ako.strategies.ops import PeerLost
 
 # Failures a worker reports in one line; anything else is a bug and keeps its traceback.
 EXPECTED_FAILURES = (PeerLost, TimeoutError, DataError, ConfigError, dist.DistError, RuntimeError, OSError)
+_GRACE = 10.0  # seconds rank 0 may take to log its metrics after a fatal loss
 
 
 class WorkerFailed(RuntimeError):
@@ -174,6 +175,7 @@ class _Group:
                     continue
                 lost[rank] = _exit_status(code) if code else "exited without a result"
                 if rank not in survivable:
+                    self._grace(0, running)  # rank 0 logs the metrics it has before the job is stopped
                     stopped = next((r for r in sorted(running) if _stopped(self.procs[r].pid)), None)
                     if stopped is not None:  # the cause, rather than the rank that timed out on it
                         raise WorkerFailed(f"{role(stopped)} rank {stopped} failed: stopped (SIGSTOP or a debugger); the others timed out waiting for it")
@@ -182,6 +184,12 @@ class _Group:
                         raise WorkerFailed(f"{role(first)} rank {first} failed: {lost[first]}; the others could not go on without it")
                     raise WorkerFailed(f"{role(rank)} rank {rank} failed: {lost[rank]}")
         return self.results
+
+    def _grace(self, rank: int, running: set[int], seconds: float = _GRACE) -> None:
+        """Give `rank`, if still running, up to `seconds` to end by itself (it meets the failure
+        in its next exchange, and rank 0 then evaluates and logs its snapshots)."""
+        if rank in running:
+            self.procs[rank].join(seconds)
 
     def _give_up(self, running: set[int], survivable: set[int], role, timeout: float) -> None:
         """Rank 0 is done and these have not ended within `timeout`: fail on the first that

@@ -172,7 +172,12 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         runtime.clock.begin(state.resumed[1], state.resumed_wall)
     else:
         runtime.clock.begin()
-    facts = runtime.run(program, ctx, state)
+    try:
+        facts = runtime.run(program, ctx, state)
+    except Exception:
+        if state is not None and state.evaluator is not None:
+            state.keep_metrics()  # a failed run keeps the metrics up to its failure
+        raise
     runtime.clock.stop()
     final = replica.params if strategy.replicas_differ and state is not None else None
     reports, finals = runtime.gather_reports(facts, final)
@@ -207,7 +212,7 @@ def _run_dir(job: Job, data, rank: int, store: dist.Store, runtime: DistributedR
     if rank == 0:
         if config.resume is not None:
             checkpoint.check_unfinished(config)
-            run_dir, point = Path(config.resume), checkpoint.find(config.resume, identity, config.workers)
+            run_dir, point = Path(config.resume), checkpoint.find(config.resume, identity, config.workers, say=True)
         elif attempt > 0 and store.check([key]):
             run_dir = Path(store.get(key).decode())
             point = checkpoint.latest(run_dir, identity["world"])
