@@ -5,11 +5,10 @@ from __future__ import annotations
 import sys
 
 import pytest
+from tensorboard.backend.event_processing import event_accumulator
 
 from ako.checks import ConfigError
 from ako.run.board import Board
-
-event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
 START = 1_700_000_000.0  # a realistic Unix time, so float rounding of wall times would show
 
