@@ -33,7 +33,7 @@ def import_factory(setting: str, spec: str) -> Callable:
         raise ConfigError(f"{setting} {spec!r}: no module named {e.name!r} (run from the directory that holds it, "
                           "or put it on PYTHONPATH)") from None  # fmt: skip
     except Exception as e:  # the user's module failed while importing: say how, in one line
-        raise ConfigError(f"{setting} {spec!r}: importing {module_name} failed: {type(e).__name__}: {_first_line(e)}") from None
+        raise ConfigError(f"{setting} {spec!r}: importing {module_name} failed: {type(e).__name__}: {first_line(e)}") from None
     for part in attribute.split("."):
         if not hasattr(target, part):
             raise ConfigError(f"{setting} {spec!r}: module {module_name} has no {attribute!r}")
@@ -65,9 +65,10 @@ def call_factory(setting: str, spec: str, factory: Callable, *args):
     except ConfigError:
         raise
     except Exception as e:
-        raise ConfigError(f"{setting} {spec!r} raised {type(e).__name__}: {_first_line(e)}") from None
+        raise ConfigError(f"{setting} {spec!r} raised {type(e).__name__}: {first_line(e)}") from None
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message, at most 200 characters."""
     text = str(e).strip()
     return text.splitlines()[0][:200] if text else "(no message)"

@@ -6,11 +6,8 @@ top-level function) and the data sets picklable. Both runtimes build replicas an
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -18,11 +15,12 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 from torch.utils.data import default_collate
 
 from ako.config import CUSTOM, USER_FUNCTIONS, ConfigError, TrainConfig
-from ako.data import DataError, fetch, load_dataset
+from ako.data import DataError, load_dataset
 from ako.models import build_model
-from ako.optim import Optimization, OptimizerFn, SchedulerFn, check_elementwise, warmup_steps
+from ako.optim import Optimization, OptimizerFn, SchedulerFn, warmup_steps
 from ako.replica import EvalFn, LossFn, Replica
-from ako.run.imports import call_factory, import_factory, is_spec, spec_of
+from ako.run import preflight
+from ako.run.imports import call_factory, first_line, import_factory, is_spec, spec_of
 from ako.strategies import STRATEGIES, Strategy
 
 
@@ -179,69 +177,10 @@ class Job:
         return Replica(model, self.optimization(data), self.loss_fn, self.eval_fn, data.collate_fn, c.precision)
 
     def check(self) -> tuple[Data, int]:
-        """Everything about the job itself that can fail before processes start; returns the
-        loaded data and the model's parameter count. Raises ConfigError or DataError with a
-        one-line message."""
-        data = self.load_data()
-        model = self.build_model(data)
-        try:
-            replica = Replica(model, self.optimization(data), self.loss_fn, self.eval_fn, data.collate_fn, self.config.precision)
-        except ConfigError:
-            raise
-        except Exception as e:  # the optimizer or schedule (the user's, or a setting torch refuses)
-            raise ConfigError(f"{self._optimizer_what()} failed: {type(e).__name__}: {_first_line(e)}") from None
-        self.validate(data, replica.numel)
-        self._try_step(replica, data)
-        self._try_optimizer(data)
-        if self.config.tensorboard:
-            _check_tensorboard()
-        check_out_dir(self.config.out_dir)
-        return data, replica.numel
-
-    def _optimizer_what(self) -> str:
-        if self.optimizer_fn is not None or self.scheduler_fn is not None:
-            return " or ".join(n for n in ("optimizer_fn", "scheduler_fn") if getattr(self, n) is not None)
-        return f"optimizer {self.config.optimizer}"
-
-    def _try_optimizer(self, data: Data) -> None:
-        """Three steps of the optimizer and schedule on a probe vector: on two halves against the
-        whole vector where servers step shards (`check_elementwise`), else on the whole."""
-        if self.strategy.optimizer_on == "servers":
-            check_elementwise(self.optimization(data), self.strategy.name)
-            return
-        try:
-            optimizer = self.optimization(data).build(torch.zeros(8))
-            for k in range(3):
-                optimizer.step(torch.full((8,), 0.1 * (k + 1)))
-        except Exception as e:  # the user's functions, or a setting only a step finds
-            raise ConfigError(f"{self._optimizer_what()}: a step failed: {type(e).__name__}: {_first_line(e)}") from None
-
-    def _try_step(self, replica: Replica, data: Data) -> None:
-        """The loss on two training samples and the evaluation on two test samples, so that a
-        model, data set or function that does not fit fails here, in one line, and not in
-        every worker."""
-        what = "the training set or collate_fn"
-        try:
-            batch = fetch(data.train, torch.arange(min(2, len(data.train))), data.collate_fn)
-            what = "loss_fn" if self.loss_fn is not None else f"model {self.model_name!r}"
-            replica.compute_gradient([batch])
-            what = "the test set or collate_fn"
-            test = fetch(data.test, torch.arange(min(2, len(data.test))), data.collate_fn)
-            what = "eval_fn" if self.eval_fn is not None else f"model {self.model_name!r}"
-            with torch.no_grad():
-                metrics = replica.eval_fn(replica.model.eval(), test)
-        except Exception as e:  # the user's code: any error, said in one line
-            raise ConfigError(f"{what} failed on a batch of two samples: {type(e).__name__}: {_first_line(e)}") from None
-        if not isinstance(metrics, dict) or not metrics:
-            raise ConfigError(f"eval_fn: must return a non-empty dict of metric name -> number, got {metrics!r:.80}")
-        for name, value in metrics.items():
-            number = isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1)
-            if not isinstance(name, str) or not number or isinstance(value, bool) or torch.is_complex(torch.as_tensor(value)):
-                raise ConfigError(f"eval_fn: metric {name!r} = {value!r:.60}: each must be named by a string and be a real number")
-        goal = self.config.goal
-        if goal is not None and goal.metric not in metrics:
-            raise ConfigError(f"target {str(goal)!r}: the evaluation has no metric {goal.metric!r} "
-                              f"(it gives {', '.join(metrics)})")  # fmt: skip
+        """Everything about the job itself that can fail before processes start
+        (`ako.run.preflight`); returns the loaded data and the model's parameter count.
+        Raises ConfigError or DataError with a one-line message."""
+        return preflight.check(self)
 
     def identity(self, numel: int) -> dict:
         """What a checkpoint must agree with for this job to resume from it."""
@@ -270,35 +209,12 @@ class Job:
             raise ConfigError(f"warmup {c.warmup}: {warm} optimizer steps, longer than the run's {planned}")
 
 
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [""])[0][:200]
-
-
-def _check_tensorboard() -> None:
-    try:
-        importlib.import_module("torch.utils.tensorboard")  # the writer needs the tensorboard package
-    except ImportError:
-        raise ConfigError("tensorboard: the tensorboard package is not installed (pip install tensorboard)") from None
-
-
 def _not_custom(setting: str, value, give: str | None = None) -> None:
     """Raise ConfigError for "custom": a run whose function or data lived in `__main__` (no
     importable name), which only the same script can give again."""
     if value == CUSTOM:
         raise ConfigError(f"{setting} 'custom': the run's {setting} had no importable name (a function of __main__ "
                           f"or data in memory): resume it with ako.train(..., {give or setting}=...) from its script")
-
-
-def check_out_dir(out_dir: str) -> None:
-    """Make `out_dir` (the last check before a run starts); raise ConfigError if it cannot be
-    made or written to."""
-    path = Path(out_dir)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"out_dir {out_dir!r}: cannot make it ({e.strerror})") from None
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(f"out_dir {out_dir!r}: not writable")
 
 
 def _shape_and_classes(dataset) -> tuple[tuple[int, ...], int]:
@@ -312,7 +228,7 @@ def _shape_and_classes(dataset) -> tuple[tuple[int, ...], int]:
     except (TypeError, ValueError, AttributeError):
         raise ConfigError("a built-in model needs samples of (x, label); give your own model for other data") from None
     except Exception as e:  # the user's data set failed to give a sample
-        raise ConfigError(f"the training set failed on a sample: {type(e).__name__}: {_first_line(e)}") from None
+        raise ConfigError(f"the training set failed on a sample: {type(e).__name__}: {first_line(e)}") from None
 
 
 def _unpack(role: str, given):
