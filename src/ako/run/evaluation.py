@@ -53,15 +53,18 @@ class Evaluator:
         """Whether the oldest snapshot is evaluated and only waits for the peers' copies."""
         return bool(self.snapshots) and self.snapshots[0].metrics is not None
 
-    def evaluate(self, final: bool = False) -> dict:
+    def evaluate(self, final: bool = False, each: bool = False) -> dict:
         """Evaluate the snapshots not yet evaluated and log, oldest first, those whose
-        consensus is known (all of them when `final`); returns the last one's metrics
+        consensus is known (all of them when `final`; with `each`, after every evaluation, so
+        that a process stopped midway has logged what it did); returns the last one's metrics
         (the replica's `eval_fn`'s: loss and accuracy by default), each as test_<metric>."""
         metrics = {}
-        for s in self.snapshots:
+        for s in list(self.snapshots):
             if s.metrics is None:
                 s.metrics = self.replica.evaluate_params(s.params, self.test_set)
                 s.record.update(prefixed("test", s.metrics))
+                if each:
+                    self.log_ready(final)
             metrics = s.metrics
         self.log_ready(final)
         return metrics

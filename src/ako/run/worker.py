@@ -210,7 +210,7 @@ class WorkerState:
         metrics.jsonl holds the run up to the failure. Never raises: the failure is the news."""
         try:
             with self.clock.pause():
-                self.evaluator.evaluate(final=True)
+                self.evaluator.evaluate(final=True, each=True)
         except Exception:  # a peer's copy that cannot come, a broken evaluation: keep what is logged
             pass
 

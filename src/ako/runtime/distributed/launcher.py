@@ -32,7 +32,7 @@ from ako.strategies.ops import PeerLost
 
 # Failures a worker reports in one line; anything else is a bug and keeps its traceback.
 EXPECTED_FAILURES = (PeerLost, TimeoutError, DataError, ConfigError, dist.DistError, RuntimeError, OSError)
-_GRACE = 10.0  # seconds rank 0 may take to log its metrics after a fatal loss
+_GRACE = 5.0  # seconds rank 0 may take to log its metrics after a fatal loss
 
 
 class WorkerFailed(RuntimeError):
