@@ -3,11 +3,13 @@ the single-process SGD reference."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import os
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -204,10 +206,17 @@ def wait_for_checkpoint(out_dir: Path, world: int, deadline: float) -> None:
     raise AssertionError("no complete checkpoint appeared")
 
 
-def run_and_kill(cmd: list[str], victim: str, out_dir: Path, settle: float = 0.0, limit: float = 90.0, ready=None, sig=signal.SIGKILL):
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def run_and_kill(cmd: list[str], victim: str, out_dir: Path, settle: float = 0.0, limit: float = 90.0, ready=None,
+                 sig=signal.SIGKILL, cont_after: float | None = None):  # fmt: skip
     """Start `cmd`, kill -9 (or send `sig` to) its child process named `victim` once
-    `ready(out_dir, deadline)` returns (default: training has begun) and `settle` seconds more;
-    returns (exit status, stdout, stderr, seconds from the signal to the end)."""
+    `ready(out_dir, deadline)` returns (default: training has begun) and `settle` seconds more,
+    and SIGCONT it `cont_after` seconds later if given; returns (exit status, stdout, stderr,
+    seconds from the signal to the end)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90
@@ -216,6 +225,8 @@ def run_and_kill(cmd: list[str], victim: str, out_dir: Path, settle: float = 0.0
         time.sleep(settle)
         killed = time.monotonic()
         os.kill(pid, sig)
+        if cont_after is not None:
+            threading.Timer(cont_after, _signal, (pid, signal.SIGCONT)).start()
         out, err = proc.communicate(timeout=limit)
         elapsed = time.monotonic() - killed
     finally:

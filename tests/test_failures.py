@@ -48,14 +48,16 @@ def test_killed_worker_then_resume(tmp_path, strategy):
     (run_dir,) = out_dir.glob("*")
     if strategy in SURVIVES:
         assert code == 0, err
-        assert "worker rank 1 died; the others carried on" in out, out
+        assert "worker rank 1 died (" in out and "the others carried on" in out, out
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["lost_ranks"] == [1]
+        assert [(loss["rank"], loss["role"], loss["how"]) for loss in summary["lost"]] == [(1, "worker", "died")]
         assert [w["rank"] for w in summary["per_worker"]] == [0]
     else:
         assert code == 1, err
         assert elapsed < 20, f"took {elapsed:.1f} s"
         assert "worker rank 1 failed: killed by SIGKILL" in err, err
+        assert err.count("ako: ") == 1, err  # the others' lines (they only met the loss) are folded
     world = 3 if strategy in PARAMETER_SERVER else 2
     point = checkpoint.latest(run_dir, world)
     config = TrainConfig(**load_toml(run_dir / "config.toml"))
@@ -77,6 +79,7 @@ def test_killed_server_stops_the_job_naming_it(tmp_path, strategy):
     assert code == 1, err
     assert elapsed < 20, f"took {elapsed:.1f} s"
     assert "server rank 2 failed: killed by SIGKILL" in err, err
+    assert err.count("ako: ") == 1 and "lost worker rank 2" not in err, err
     assert "Traceback" not in err, err
 
 
@@ -112,8 +115,9 @@ def test_a_lost_worker_under_the_ring_is_named_as_the_cause(tmp_path):
 
 @pytest.mark.parametrize("strategy", ["ako", "allreduce"])
 def test_a_stopped_worker_never_hangs_the_run(tmp_path, strategy):
-    """SIGSTOP: the process is alive but silent. The run still ends within the timeout, as
-    after a kill: with the others carrying on (ako), or naming the stopped rank (allreduce)."""
+    """SIGSTOP for good: the process is alive but silent. The run still ends within the
+    timeout, as after a kill: with the others carrying on and the summary saying it was
+    stopped (ako), or naming the stopped rank (allreduce)."""
     out_dir = tmp_path / "runs"
     cmd = [sys.executable, "-m", "ako", "train", "--strategy", strategy, "--workers", "3", "--dataset", "digits",
            "--epochs", "1000", "--max-time", "8", "--timeout", "5", "--checkpoint-every", "1s",
@@ -124,9 +128,39 @@ def test_a_stopped_worker_never_hangs_the_run(tmp_path, strategy):
     assert elapsed < 5 * 3 + 10, f"took {elapsed:.1f} s"
     if strategy == "ako":
         assert code == 0, err
-        assert "worker rank 2 died; the others carried on" in out or "lost" in out, out
+        assert "worker rank 2 was stopped (SIGSTOP or a debugger) and dropped (silent for 5 s" in out, out
     else:
         assert code == 1 and "worker rank 2 failed: stopped (SIGSTOP or a debugger)" in err, err
+
+
+@pytest.mark.parametrize("strategy", ["ako", "gossip"])
+def test_a_worker_stopped_past_the_timeout_is_dropped_and_ends(tmp_path, strategy):
+    """SIGSTOP for twice the timeout, then SIGCONT: the healthy workers wait at most about the
+    timeout for it, then drop it and finish; the summary says it was stopped, the stopped one
+    ends with one line (it was dropped), and the checkpoints after the drop are complete
+    without it: a resume starts it again from rank 0's part and trains all three to the end."""
+    out_dir = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "ako", "train", "--strategy", strategy, "--workers", "3", "--dataset", "digits",
+           "--epochs", "250", "--timeout", "3", "--checkpoint-every", "0.5s", "--out-dir", str(out_dir),
+           "--no-progress"]  # fmt: skip
+    ready = lambda out_dir, deadline: wait_for_checkpoint(out_dir, 3, deadline)  # noqa: E731
+    code, out, err, _ = run_and_kill(cmd, "ako-rank2", out_dir, sig=signal.SIGSTOP, limit=90, ready=ready, cont_after=6)
+    assert code == 0 and "Traceback" not in err, err
+    assert "worker rank 2 was stopped (SIGSTOP or a debugger) and dropped (silent for 3 s" in out, out
+    assert "ako: worker rank 2 lost: dropped by the others: rank " in err, err
+    (run_dir,) = out_dir.glob("*")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [(loss["rank"], loss["how"]) for loss in summary["lost"]] == [(2, "stopped")]
+    assert [w["rank"] for w in summary["per_worker"]] == [0, 1]
+    assert summary["per_worker"][0]["steps"] == summary["per_worker"][1]["steps"] == summary["iterations"]
+    if strategy != "ako":
+        return
+    point = checkpoint.latest(run_dir, 3)
+    assert checkpoint.stand_ins(run_dir, point) == [2]
+    config = TrainConfig(**load_toml(run_dir / "config.toml"))
+    resumed = ako.train(replace(config, resume=str(run_dir), epochs=255))
+    assert resumed.summary["resumed_from_step"] == point and resumed.summary["lost_ranks"] == []
+    assert [w["steps"] for w in resumed.summary["per_worker"]] == [resumed.summary["iterations"]] * 3
 
 
 def test_a_failed_run_without_checkpoints_keeps_its_metrics(tmp_path):

@@ -1,8 +1,12 @@
 """The point-to-point mailbox on real processes: sends to a live peer never count as stuck,
-however long the run, and the sends in flight stay few."""
+however long the run, and the sends in flight stay few; a process's own stops are its own."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -11,6 +15,7 @@ import torch.distributed as dist
 
 from ako.runtime.distributed.process import join_process_group
 from ako.runtime.distributed.launcher import launch_function
+from ako.runtime.distributed.liveness import is_stopped
 from ako.runtime.distributed.mailbox import Mailbox
 
 
@@ -45,3 +50,25 @@ def test_a_run_longer_than_the_timeout_keeps_sending():
     assert results[0]["sent"] == results[1]["received"] > 40
     # each message is two sends (header, payload); settled half a second after posting
     assert results[0]["most_pending"] <= 2 * (0.5 / 0.05 + 2)
+
+
+def test_the_stall_clock_counts_the_time_the_process_was_stopped():
+    """A process stopped for 2 s sees those 2 s as its own stall (so they never count as a
+    peer's silence), both before and after its ticker has woken; nothing before the stop."""
+    code = (
+        "import os, signal, time\n"
+        "from ako.runtime.distributed.liveness import StallClock\n"
+        "c = StallClock(); time.sleep(0.3); t = time.monotonic()\n"
+        "os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "first = c.since(t); time.sleep(0.3); after = time.monotonic(); time.sleep(0.3)\n"
+        "print(first, c.since(t), c.since(after))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not is_stopped(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(2.0)
+    os.kill(proc.pid, signal.SIGCONT)
+    first, whole, later = map(float, proc.communicate(timeout=30)[0].split())
+    assert 1.5 < first < 4.5 and 1.5 < whole < 4.5 and abs(first - whole) < 0.3, (first, whole)
+    assert later == 0.0

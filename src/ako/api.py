@@ -27,7 +27,7 @@ from ako.run.job import Job
 from ako.run.outcome import MODEL_FILE, WorkerResult
 from ako.runtime.distributed import checkpoint
 from ako.runtime.distributed.launcher import launch, under_elastic_agent
-from ako.runtime.distributed.process import run_rank
+from ako.runtime.distributed.process import run_rank, workers_of
 from ako.strategies import Strategy
 
 ModelFn = Callable[[], nn.Module]  # a top-level function returning a fresh model
@@ -87,12 +87,14 @@ def train(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set: Da
     """
     if keep_saved and config.resume is not None:
         config = with_saved(config)
+    if under_elastic_agent():  # torchrun's world decides the number of workers
+        config = replace(config, workers=workers_of(config))
     job = Job(validate(config), strategy, model_fn, train_set, test_set, loss_fn, eval_fn, optimizer_fn,
               scheduler_fn, collate_fn)  # fmt: skip
+    _, numel = job.check()  # bad input fails here, before any process waits for another
     if under_elastic_agent():
         result = run_rank(job)
         return RunResult(result.summary, [result])
-    _, numel = job.check()
     _check_picklable(job)
     if job.config.resume is not None:
         checkpoint.check_unfinished(job.config)

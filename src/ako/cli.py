@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import sys
 import tomllib
@@ -222,6 +223,7 @@ def cmd_train(config: TrainConfig) -> int:
     from ako.api import train
     from ako.data import DataError
     from ako.runtime.distributed.launcher import EXPECTED_FAILURES, WorkerFailed, one_line, under_elastic_agent
+    from ako.runtime.distributed.mailbox import Dropped
 
     try:
         train(config, keep_saved=False)  # the flags are merged with the saved settings already
@@ -234,7 +236,9 @@ def cmd_train(config: TrainConfig) -> int:
         if not under_elastic_agent():
             raise
         print(f"ako: worker rank {os.environ.get('RANK')}: {one_line(e)}", file=sys.stderr)
-        return EXIT_FAILED
+        # Dropped: the others carry on without this worker, and torchrun would stop them all
+        # at a failure; so its part of the job ends without one.
+        return 0 if isinstance(e, Dropped) else EXIT_FAILED
     return 0
 
 
@@ -305,12 +309,24 @@ def cmd_calibrate(config: TrainConfig, out: str | None, processes: int) -> int:
     return 0
 
 
+def _negative_values_joined(argv: list[str]) -> list[str]:
+    """`--flag -5MB` as `--flag=-5MB`: argparse takes a value that starts with "-" for an
+    option unless it is a plain number, and no option starts with a digit."""
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"-[\d.]", token):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """The console script: returns the exit status (2 for bad input, 130 on Ctrl-C)."""
     from ako.data import DataError
 
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(_negative_values_joined(sys.argv[1:] if argv is None else argv))
         if args.command == "info":
             return cmd_info()
         if args.command == "simulate":
@@ -323,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_calibrate(config_from_args(args, simulated=True), args.out, args.processes)
         return cmd_train(config_from_args(args))
     except (ConfigError, DataError) as e:
-        print(f"ako: error: {e}", file=sys.stderr)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun, once per machine, not once per worker
+            print(f"ako: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("ako: interrupted", file=sys.stderr)

@@ -141,7 +141,8 @@ def format_summary(s: dict) -> str:
     if s.get("resumed_from_step") is not None:
         lines.append(f"  resumed          from the checkpoint at step {s['resumed_from_step']}")
     if s.get("lost_ranks"):
-        lines.append(f"  lost             worker rank{'s' if len(s['lost_ranks']) > 1 else ''} {', '.join(map(str, s['lost_ranks']))} died; the others carried on")
+        lost = s.get("lost") or [{"rank": r, "role": "worker", "how": "died", "reason": ""} for r in s["lost_ranks"]]
+        lines.append(f"  lost             {'; '.join(map(_loss, lost))}; the others carried on")
     if "partitions" in s:
         lines.append(
             f"  partitions       p = {s['partitions']}, {s['exchange']}, staleness bound {s['staleness_bound']} "
@@ -186,6 +187,19 @@ def _metric_lines(s: dict) -> list[str]:
         reached = s["time_to_target"]
         lines.append(f"  time to target   {s['target']}: {'not reached' if reached is None else f'{reached:.1f} s'}")
     return lines
+
+
+_HOW = {
+    "died": "died",
+    "stopped": "was stopped (SIGSTOP or a debugger) and dropped",
+    "silent": "fell silent (stopped, stuck or far too slow) and was dropped",
+}
+
+
+def _loss(loss: dict) -> str:
+    """One lost rank, as the summary prints it: "worker rank 1 died (Connection reset by peer)"."""
+    reason = f" ({loss['reason']})" if loss.get("reason") else ""
+    return f"{loss.get('role', 'worker')} rank {loss['rank']} {_HOW.get(loss['how'], loss['how'])}{reason}"
 
 
 def _milestone_text(times: dict) -> str:

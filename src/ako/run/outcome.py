@@ -91,7 +91,7 @@ def final_model(state: WorkerState, unflushed: torch.Tensor, final: dict, test_s
 
 
 def final_summary(
-    job: Job, data, state: WorkerState, reports: list[dict], finals, facts: dict, lost: list[int], run_dir: Path,
+    job: Job, data, state: WorkerState, reports: list[dict], finals, facts: dict, lost: list[dict], run_dir: Path,
     resumed: int | None = None,
 ) -> tuple[dict, torch.Tensor]:  # fmt: skip
     """Rank 0, after training: evaluate what is left and build the run's summary (`publish`
@@ -99,7 +99,8 @@ def final_summary(
     live workers' final replicas (where replicas differ), in the order of their reports;
     their average is weighted by each worker's `average_weight` fact when it has one. `facts`:
     rank 0's program's; its `centre` is the model a strategy with a centre variable reports, and
-    its `unflushed` rank 0's replica before a final flush (Ako), each (numel,) when present. `resumed`: the step of the checkpoint the run resumed from, if any.
+    its `unflushed` rank 0's replica before a final flush (Ako), each (numel,) when present. `lost`:
+the lost ranks (`Mailbox.losses`). `resumed`: the step of the checkpoint the run resumed from, if any.
     Writes model.pt (`save_model`); returns the summary and that model, flat (numel,)."""
     end = {}
     if finals:
@@ -121,7 +122,8 @@ def final_summary(
     summary["saved_model"] = save_model(run_dir, state.replica, model, source, data)
     state.evaluator.log.close()
     summary.update(data_use(job, data))
-    summary["lost_ranks"] = lost
+    summary["lost_ranks"] = [loss["rank"] for loss in lost]
+    summary["lost"] = lost
     summary["resumed_from_step"] = resumed
     summary["run_dir"] = str(run_dir)
     return summary, model.detach().cpu().clone()

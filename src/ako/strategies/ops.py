@@ -189,8 +189,9 @@ class MeasureBandwidth:
 
 
 class PeerLost(RuntimeError):
-    """A peer worker died or disconnected; `rank` names it."""
+    """A peer died, disconnected or was dropped for its silence; `rank` names it, `role`
+    ("worker" or "server") says what it was."""
 
-    def __init__(self, rank: int, reason: str):
-        super().__init__(f"lost worker rank {rank}: {reason}")
+    def __init__(self, rank: int, reason: str, role: str = "worker"):
+        super().__init__(f"lost {role} rank {rank}: {reason}")
         self.rank = rank

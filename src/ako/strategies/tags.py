@@ -20,3 +20,6 @@ SNAPSHOT_REQUEST = -6  # `ops.Pull`: "send me your published snapshot"
 SNAPSHOT = -7  # the answer to it
 REPLICA = -8  # a replica's copy at an evaluation point, for the consensus distance
 CHECKPOINT = -9  # rank 0's call for a checkpoint at a step
+DROPPED = -10  # "rank `aux` was silent for the timeout: we go on without it" (to it, and to every other peer)
+PING = -11  # "show me you are alive": a peer that has not been heard from since a send to it
+PONG = -12  # the answer to PING, from the receive thread that read it

@@ -4,8 +4,11 @@ after a failure (`ako train --resume RUN_DIR`, or a restart under `torchrun --ma
 Layout: RUN_DIR/checkpoints/<step>/rank<r>.pt, one file per rank (worker or server), written
 atomically (a temporary file, then a rename) by `torch.save` and read by
 `torch.load(weights_only=True)`, which unpickles tensors, numbers, strings, lists and dicts
-only. A checkpoint is complete when every rank's file is in; a run resumes from the latest
-complete one. Each rank keeps its last two files, and its file of the latest complete one. The run directory must be one that every
+only. A worker lost before the checkpoint (a strategy that carries on without it) has an
+empty marker, rank<r>.lost, put there by rank 0 before its own file; on a resume it starts
+again from rank 0's part, a copy of its replica. A checkpoint is complete when every rank's
+file or marker is in; a run resumes from the latest complete one. Each rank keeps its last
+two files, and its file of the latest complete one. The run directory must be one that every
 rank can reach (one machine, or a shared file system).
 
 When: every `--checkpoint-every` seconds of training, rank 0 picks a step T a little ahead
@@ -59,11 +62,18 @@ def path(run_dir: str | os.PathLike, point: int, rank: int) -> Path:
     return directory(run_dir) / f"{point:09d}" / f"rank{rank}.pt"
 
 
-def save(run_dir: str | os.PathLike, point: int, rank: int, world: int, state: dict) -> None:
-    """Write rank `rank`'s `state` for step `point` atomically. Of its older files it keeps
-    the last `_KEEP` and its part of the latest complete checkpoint (of `world` ranks)."""
+def _marker(run_dir: str | os.PathLike, point: int, rank: int) -> Path:
+    return directory(run_dir) / f"{point:09d}" / f"rank{rank}.lost"
+
+
+def save(run_dir: str | os.PathLike, point: int, rank: int, world: int, state: dict, lost=()) -> None:
+    """Write rank `rank`'s `state` for step `point` atomically (rank 0 first marks the
+    `lost` ranks). Of its older files it keeps the last `_KEEP` and its part of the latest
+    complete checkpoint (of `world` ranks)."""
     target = path(run_dir, point, rank)
     target.parent.mkdir(parents=True, exist_ok=True)
+    for r in lost:
+        _marker(run_dir, point, r).touch()
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         torch.save({"format": FORMAT, "point": point, "rank": rank, **state}, tmp)
@@ -77,6 +87,8 @@ def save(run_dir: str | os.PathLike, point: int, rank: int, world: int, state: d
         if int(old.parent.name) == complete:
             continue
         old.unlink(missing_ok=True)
+        for marker in old.parent.glob("*.lost") if rank == 0 else ():
+            marker.unlink(missing_ok=True)
         try:
             old.parent.rmdir()
         except OSError:  # other ranks' files are still in it
@@ -95,7 +107,12 @@ def drop_after(run_dir: str | os.PathLike, point: int) -> None:
 
 
 def _complete(run_dir: str | os.PathLike, point: int, world: int) -> bool:
-    return all(path(run_dir, point, r).is_file() for r in range(world))
+    return all(path(run_dir, point, r).is_file() or _marker(run_dir, point, r).is_file() for r in range(world))
+
+
+def stand_ins(run_dir: str | os.PathLike, point: int) -> list[int]:
+    """The ranks lost before the checkpoint at step `point`: they resume from rank 0's part."""
+    return sorted(int(m.name[4:-5]) for m in (directory(run_dir) / f"{point:09d}").glob("rank*.lost"))
 
 
 def latest(run_dir: str | os.PathLike, world: int) -> int | None:
@@ -104,7 +121,10 @@ def latest(run_dir: str | os.PathLike, world: int) -> int | None:
 
 
 def load(run_dir: str | os.PathLike, point: int, rank: int) -> dict:
-    """Rank `rank`'s state at step `point`. Raises CheckpointError when it cannot be read."""
+    """Rank `rank`'s state at step `point` (rank 0's, for a rank lost before it). Raises
+    CheckpointError when it cannot be read."""
+    if not path(run_dir, point, rank).is_file() and _marker(run_dir, point, rank).is_file():
+        rank = 0
     file = path(run_dir, point, rank)
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
@@ -181,6 +201,11 @@ def find(run_dir: str | os.PathLike, expected: dict, workers: int, say: bool = F
             newest, why = damaged[0]
             print(f"ako: {why}; resuming from the intact checkpoint at step {point} instead of step {newest}",
                   file=sys.stderr, flush=True)  # fmt: skip
+        lost = stand_ins(run_dir, point)
+        if lost and say:
+            print(f"ako: worker rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))} had been lost before "
+                  f"the checkpoint at step {point}: {'they start' if len(lost) > 1 else 'it starts'} again from rank 0's part",
+                  file=sys.stderr, flush=True)  # fmt: skip
         return point
     if damaged:
         raise CheckpointError(f"resume {str(run_dir)!r}: no intact complete checkpoint; the newest: {damaged[0][1]}")
@@ -232,7 +257,8 @@ class Checkpoints:
         else:
             own = {"role": "server", "shard": shard.state_dict()}
         saved = {**self.identity, **own, "bytes": list(self.runtime.bytes_moved())}
-        save(self.run_dir, point, self.runtime.rank, self.runtime.world_size, saved)
+        lost = sorted(self.runtime.mailbox.lost) if self.runtime.rank == 0 else ()
+        save(self.run_dir, point, self.runtime.rank, self.runtime.world_size, saved, lost)
 
     def on_update(self, shard) -> None:
         """A server's shard was updated: save it if a checkpoint is due at its version."""

@@ -15,9 +15,8 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,6 +25,7 @@ import torch.distributed as dist
 from ako.config import ConfigError
 from ako.data import DataError
 from ako.run.outcome import WorkerResult
+from ako.runtime.distributed.liveness import is_stopped
 from ako.runtime.distributed.process import run_rank
 from ako.run.job import Job
 from ako.strategies.ops import PeerLost
@@ -44,19 +44,27 @@ def under_elastic_agent() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
-def rank_entry(job: Job) -> WorkerResult:
-    """The function each launched process runs: a one-line report and exit status 1 on an
-    expected failure (set AKO_DEBUG=1 for the traceback)."""
+@dataclass(frozen=True)
+class RankFailed:
+    """What a launched process hands back instead of a result when it fails as expected: its
+    one line. The launcher reports the failure that ended the job, or each lost worker, once;
+    lines of ranks that only met another's failure are left out."""
+
+    line: str
+
+
+def rank_entry(job: Job) -> WorkerResult | RankFailed:
+    """The function each launched process runs: its result, or RankFailed (and exit status 1)
+    on an expected failure (set AKO_DEBUG=1 for the traceback)."""
     try:
         return _numpy(run_rank(job))
     except EXPECTED_FAILURES as e:
         if os.environ.get("AKO_DEBUG"):
             raise
-        print(f"ako: rank {os.environ.get('RANK', '?')}: {one_line(e)}", file=sys.stderr)
         # Often this worker only noticed another's death: give the launcher a moment to see
         # that one first, so that its report names the root cause.
         time.sleep(1.0)
-        _exit_now(1)
+        return RankFailed(one_line(e))
 
 
 def _numpy(result: WorkerResult) -> WorkerResult:
@@ -120,7 +128,7 @@ def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable
         "WORLD_SIZE": str(processes),
         "LOCAL_WORLD_SIZE": str(processes),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),  # ako reports failures itself
+        "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "FATAL"),  # ako reports failures itself (ako/__init__.py)
     }
     context = mp.get_context("spawn")
     group = _Group()
@@ -141,6 +149,7 @@ class _Group:
         self.procs: dict[int, mp.Process] = {}
         self.pipes: dict[int, object] = {}
         self.results: dict[int, object] = {}
+        self.failures: dict[int, str] = {}  # rank -> its RankFailed line
 
     def start(self, context, fn, args, rank: int, env: dict) -> None:
         receiver, sender = context.Pipe(duplex=False)
@@ -156,13 +165,14 @@ class _Group:
         has not ended `timeout` seconds later is stopped or hung: it is lost."""
         lost: dict[int, str] = {}
         running = set(self.procs)
-        deadline = math.inf
+        deadline = alone = math.inf
         while running:
             if 0 in self.results and deadline == math.inf:
                 deadline = time.monotonic() + timeout
             if time.monotonic() > deadline:
                 self._give_up(running, survivable, role, timeout)
                 break
+            alone = self._alone_and_stopped(running, alone, timeout, role)
             waitables = [self.procs[r].sentinel for r in running] + [self.pipes[r] for r in running if r not in self.results]
             mp_connection.wait(waitables, timeout=1.0)
             for rank in sorted(running):
@@ -173,10 +183,12 @@ class _Group:
                 running.discard(rank)
                 if rank in self.results:  # it finished its part: dying in teardown fails nothing
                     continue
-                lost[rank] = _exit_status(code) if code else "exited without a result"
-                if rank not in survivable:
+                lost[rank] = self.failures.get(rank) or (_exit_status(code) if code else "exited without a result")
+                if rank in survivable:
+                    print(f"ako: {role(rank)} rank {rank} lost: {lost[rank]}", file=sys.stderr, flush=True)
+                else:
                     self._grace(0, running)  # rank 0 logs the metrics it has before the job is stopped
-                    stopped = next((r for r in sorted(running) if _stopped(self.procs[r].pid)), None)
+                    stopped = next((r for r in sorted(running) if is_stopped(self.procs[r].pid)), None)
                     if stopped is not None:  # the cause, rather than the rank that timed out on it
                         raise WorkerFailed(f"{role(stopped)} rank {stopped} failed: stopped (SIGSTOP or a debugger); the others timed out waiting for it")
                     first = min((r for r in lost if r != rank), default=None)
@@ -184,6 +196,17 @@ class _Group:
                         raise WorkerFailed(f"{role(first)} rank {first} failed: {lost[first]}; the others could not go on without it")
                     raise WorkerFailed(f"{role(rank)} rank {rank} failed: {lost[rank]}")
         return self.results
+
+    def _alone_and_stopped(self, running: set[int], since: float, timeout: float, role) -> float:
+        """Raise WorkerFailed when rank 0, which evaluates and reports, is the last process
+        left and has been stopped for `timeout` s (the others ended without it: nothing would
+        end the job); returns since when it has been so (inf: it is not)."""
+        if running != {0} or 0 in self.results or not is_stopped(self.procs[0].pid):
+            return math.inf
+        now = time.monotonic()
+        if now - min(since, now) > timeout:
+            raise WorkerFailed(f"{role(0)} rank 0 failed: stopped (SIGSTOP or a debugger) for {timeout:g} s; the others ended without it")
+        return min(since, now)
 
     def _grace(self, rank: int, running: set[int], seconds: float = _GRACE) -> None:
         """Give `rank`, if still running, up to `seconds` to end by itself (it meets the failure
@@ -200,11 +223,15 @@ class _Group:
 
     def _read(self, rank: int) -> None:
         pipe = self.pipes[rank]
-        if rank not in self.results and pipe.poll():
+        if rank not in self.results and rank not in self.failures and pipe.poll():
             try:
-                self.results[rank] = pipe.recv()
+                result = pipe.recv()
             except EOFError:  # it died before sending
-                self.results.pop(rank, None)
+                return
+            if isinstance(result, RankFailed):
+                self.failures[rank] = result.line
+            else:
+                self.results[rank] = result
 
     def stop(self) -> None:
         """Kill every process still running: the job is over (run outputs are written
@@ -216,14 +243,6 @@ class _Group:
             proc.join()
 
 
-def _stopped(pid: int) -> bool:
-    """Whether process `pid` is stopped (state T or t in /proc; False where there is no /proc)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
-
-
 def _child(fn, args, env: dict, pipe) -> None:
     """A launched process: die with the launcher, leave Ctrl-C to it (it stops every process
     at once, and only it reports), take the environment, run, send the result."""
@@ -231,8 +250,11 @@ def _child(fn, args, env: dict, pipe) -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(env)
-    pipe.send(fn(*args))
+    result = fn(*args)
+    pipe.send(result)
     pipe.close()
+    if isinstance(result, RankFailed):
+        _exit_now(1)
 
 
 def _raise_interrupt(signum, frame):

@@ -10,7 +10,19 @@ A live peer may be silent for as long as it likes: the waits for messages have t
 tags are the runtime's own (`ako.strategies.tags`): RUN_STOP (the target accuracy was reached), CLOSE (the peer is done),
 PROBE (bandwidth probe), REPORT and FINAL (end-of-run counts and parameters for rank 0),
 SNAPSHOT_REQUEST and SNAPSHOT (a request for this worker's published snapshot, and the answer), REPLICA
-(a copy of a replica for rank 0's consensus measurement), CHECKPOINT (save at step `step`).
+(a copy of a replica for rank 0's consensus measurement), CHECKPOINT (save at step `step`), DROPPED
+(rank `aux` was silent for the timeout and is dropped).
+
+Silent peers. A Gloo send completes only once the receiver has posted its recv, and a wait
+on it that times out closes the connection for good; so a send is waited on only once its
+peer has been heard from since it was posted (any message; PING asks a quiet peer for a
+PONG, which its receive thread sends after reading everything before it). A peer that stays
+silent for the timeout (stopped, stuck, or far too slow) is, under a tolerant program,
+dropped (`drop`): it is lost, the other peers are told so at once (they need not each wait
+out the timeout on it), and so is the peer itself, over its still open connection, so that it
+ends with `Dropped` when it runs again; whatever it sends afterwards is discarded. Sends to it
+are kept, never waited on (`parked`). Time this process was stopped itself never counts
+against a peer (`liveness.StallClock`).
 
 Published snapshots: `publish` makes a tensor the one this worker serves. The receive thread
 that reads a peer's SNAPSHOT_REQUEST answers it at once with the latest snapshot (or, before the first
@@ -33,14 +45,20 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ako.runtime.distributed.liveness import StallClock
 from ako.strategies.ops import Message, PeerLost
-from ako.strategies.tags import CHECKPOINT, CLOSE, RUN_STOP, SNAPSHOT, SNAPSHOT_REQUEST
+from ako.strategies.tags import CHECKPOINT, CLOSE, DROPPED, PING, PONG, RUN_STOP, SNAPSHOT, SNAPSHOT_REQUEST
 
 _HEADER_TAG, _PAYLOAD_TAG = 1, 2
 _FOREVER = timedelta(days=365)
 _SETTLE_AFTER = 0.5  # seconds after which a send to a live peer has been taken
-_MAX_PENDING = 256
+_MAX_PENDING = 256  # sends in flight to one peer before the sender waits for it (backpressure)
 _DTYPES = [torch.float32, torch.float64, torch.int64, torch.float16, torch.bfloat16, torch.uint8]
+
+
+class Dropped(RuntimeError):
+    """The other workers went on without this one: it was silent for their timeout (stopped,
+    stuck or far too slow). It cannot rejoin; it can only end."""
 
 
 @dataclass
@@ -64,15 +82,24 @@ class Mailbox:
 
     def __init__(
         self, rank: int, peers: list[int], group, timeout: float,
-        on_stop: Callable[[], None], on_checkpoint: Callable[[int], None] = lambda step: None,
+        on_stop: Callable[[], None], on_checkpoint: Callable[[int], None] = lambda step: None, workers: int | None = None,
     ):  # fmt: skip
         self.rank, self.peers, self.group, self.on_stop, self.on_checkpoint = rank, peers, group, on_stop, on_checkpoint
+        self.workers = workers  # ranks from `workers` on are servers (None: all are workers)
         self.timeout = timeout
         self.queues: dict[int, deque[Message]] = {}
-        self.lost: dict[int, str] = {}
+        self.lost: dict[int, str] = {}  # rank -> why: died, or dropped after a silence (`silent`)
+        self.silent: set[int] = set()
+        self.how: dict[int, str] = {}  # rank -> "died", or what `whereabouts` found when it was dropped
+        self.whereabouts: Callable[[int], str] = lambda rank: "silent"
+        self.dropped: str | None = None  # why the others went on without this worker
+        self.stalls = StallClock()
         self.told: set[int] = set()  # losses already reported to a tolerant program
         self.cond = threading.Condition()
-        self.pending: deque[_Send] = deque()  # sends in flight, oldest first
+        self.pending: dict[int, deque[_Send]] = {p: deque() for p in peers}  # sends in flight, oldest first
+        self.parked: list[_Send] = []  # sends to dropped peers: alive until the process ends, never waited on
+        self.heard = {p: -1.0 for p in peers}  # when each peer's last message came (time.monotonic)
+        self.pinged = {p: -1.0 for p in peers}  # when each was last asked for a sign of life
         self.send_lock = threading.Lock()  # the main thread and the receive threads send
         self.published: tuple[torch.Tensor, int] | None = None  # (snapshot, step)
         self.unanswered: list[int] = []  # peers that pulled before the first publish
@@ -89,19 +116,21 @@ class Mailbox:
 
         Raises PeerLost when `dst` is gone, or has taken none of our messages for `timeout`
         seconds (stuck): unsent messages would otherwise pile up without bound. With
-        `drop_lost`, sends to a peer that is gone are dropped instead.
+        `drop_lost`, sends to a peer that is gone are dropped instead, and a peer silent for
+        `timeout` is dropped (`drop`). Raises Dropped when the others dropped this worker.
         """
         # Settle outside the lock: its waits could otherwise stall this worker's receive threads,
         # which need the lock to answer pulls, and two workers pulling from each other could
         # each wait for the other's thread. Only this (the program's) thread takes from the
-        # left of `pending`; receive threads append on the right (deque operations are atomic).
+        # left of a `pending` queue; receive threads append on the right (deque operations are atomic).
+        self._raise_if_dropped()
         self._settle(drop_lost)
         with self.send_lock:
             try:
                 self._post(tensor, dst, tag, step, aux)
             except RuntimeError as e:
                 if not drop_lost:
-                    raise PeerLost(dst, comm_error(e)) from None
+                    raise self.peer_lost(dst, comm_error(e)) from None
 
     def publish(self, tensor: torch.Tensor, step: int) -> None:
         """Make `tensor` (flat, CPU, never modified afterwards) the snapshot served to peers'
@@ -119,7 +148,7 @@ class Mailbox:
         if tensor.numel():
             works.append(dist.isend(tensor, dst, group=self.group, tag=_PAYLOAD_TAG))
         now = time.monotonic()
-        self.pending.extend(_Send(w, (header, tensor), dst, now) for w in works)
+        self.pending[dst].extend(_Send(w, (header, tensor), dst, now) for w in works)
         if _is_traffic(tag):
             self.bytes_sent += tensor.numel() * tensor.element_size()
 
@@ -140,50 +169,116 @@ class Mailbox:
                 pass
 
     def _settle(self, drop_lost: bool) -> None:
-        """Wait for the sends posted more than `_SETTLE_AFTER` s ago (a live peer's receive
-        thread has taken them long since), and for the oldest while more than `_MAX_PENDING`
-        are in flight. A Gloo send's work reports completion only once waited on, so waiting
-        is the only way to free its tensors; the wait is bounded by the group's timeout.
-        Raises PeerLost for a peer that is gone or took nothing for `timeout` s (unless
-        `drop_lost`, for a peer that is gone)."""
+        """Wait for the sends posted more than `_SETTLE_AFTER` s ago to peers heard from since
+        (their receive threads have taken them, or are taking them), and, while more than
+        `_MAX_PENDING` are in flight to one peer, for a sign of life from it first. A Gloo send's
+        work reports completion only once waited on, so waiting is the only way to free its
+        tensors. Raises PeerLost for a peer that is gone or silent for `timeout` s (with
+        `drop_lost`: drops a silent one, and only a peer that is gone raises, never)."""
         now = time.monotonic()
-        while self.pending and (now - self.pending[0].posted > _SETTLE_AFTER or len(self.pending) > _MAX_PENDING):
-            p = self.pending.popleft()
-            if drop_lost and p.dst in self.lost:
-                continue
-            try:
-                p.work.wait()
-            except RuntimeError as e:
-                if drop_lost and p.dst in self.lost:
-                    continue
-                stuck = "timed out" in str(e).lower() or "timeout" in str(e).lower()
-                reason = f"took no message for {self.timeout:g} s (stuck, or far too slow)" if stuck else comm_error(e)
-                raise PeerLost(p.dst, reason) from None
+        for peer, queue in self.pending.items():
+            while queue and (now - queue[0].posted > _SETTLE_AFTER or len(queue) > _MAX_PENDING):
+                oldest = queue[0]
+                if peer not in self.lost and self.heard[peer] < oldest.posted:
+                    self._ping(peer, now)
+                    if len(queue) <= _MAX_PENDING and now - oldest.posted < self.timeout:
+                        break  # not yet: a live peer answers soon
+                    self._await_sign(peer, oldest.posted, drop_lost)
+                queue.popleft()
+                self._finish(oldest, drop_lost)
+
+    def _ping(self, peer: int, now: float) -> None:
+        if now - self.pinged[peer] > _SETTLE_AFTER:
+            self.pinged[peer] = now
+            with self.send_lock:
+                self._post_quietly(peer, PING)
+
+    def _await_sign(self, peer: int, since: float, drop_lost: bool) -> None:
+        """Wait until `peer` is heard from after `since`, for at most `timeout` s from `since`
+        (less the time this process was stopped); after that it is silent: dropped (with
+        `drop_lost`, unless it is rank 0, which evaluates and reports) or PeerLost."""
+        with self.cond:
+            while self.heard[peer] < since and peer not in self.lost:
+                left = since + self.timeout + self.stalls.since(since) - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(min(left, _SETTLE_AFTER))
+        if self.heard[peer] >= since or peer in self.lost:
+            return
+        reason = f"took no message for {self.timeout:g} s"
+        if not drop_lost or peer == 0:
+            raise self.peer_lost(peer, f"{reason} (stuck, or far too slow)")
+        self.drop(peer, reason)
+
+    def _finish(self, send: _Send, drop_lost: bool) -> None:
+        """Wait for one send to complete (its peer has been heard from since it was posted)."""
+        if send.dst in self.lost:
+            if send.dst in self.silent:
+                self.parked.append(send)  # its connection is open: the peer may still read it
+            return
+        try:
+            send.work.wait()
+        except RuntimeError as e:
+            if not (drop_lost and send.dst in self.lost):
+                raise self.peer_lost(send.dst, comm_error(e)) from None
+
+    def _post_quietly(self, peer: int, tag: int, aux: int = 0) -> None:
+        """Post an empty message of the runtime's own (caller holds `send_lock`); a peer that is
+        gone is left to its receive thread here, which records that."""
+        try:
+            self._post(torch.empty(0), peer, tag, 0, aux)
+        except RuntimeError:
+            pass
+
+    def drop(self, peer: int, reason: str) -> None:
+        """Go on without `peer`, alive but silent (`reason`): it is lost from now on, and it
+        and every other live peer are told (DROPPED), so that they need not wait out the
+        timeout on it too."""
+        how = self.whereabouts(peer)  # outside the lock: it may ask the job's store
+        with self.cond:
+            if peer in self.lost:
+                return
+            self.lost[peer], self.silent, self.how[peer] = reason, self.silent | {peer}, how
+            self.cond.notify_all()
+            told = [p for p in self.peers if p == peer or p not in self.lost]
+        with self.send_lock:  # not `send`: this may run inside its `_settle`
+            for other in told:
+                self._post_quietly(other, DROPPED, peer)
 
     def get(self, tag: int, src: int | None, timeout: float, tolerant: bool = False) -> Message:
-        """Wait up to `timeout` seconds for the next message with `tag` (from `src`, or any).
+        """Wait for the next message with `tag` from `src`, as long as `src` shows signs of life
+        (it is pinged while the wait lasts: a live but slow peer is waited for); or, from any
+        source, for up to `timeout` seconds.
 
         Raises PeerLost when the awaited peer is gone (for any source: any peer, or, when
-        `tolerant`, a peer whose loss has not been reported yet, once), and TimeoutError after
-        `timeout` seconds of silence.
+        `tolerant`, a peer whose loss has not been reported yet, once), TimeoutError after
+        `timeout` seconds of silence, and Dropped when the others dropped this worker.
         """
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
         with self.cond:
             while True:
                 message = self._take(tag, src)
                 if message is not None:
                     return message
+                self._raise_if_dropped()
                 self._raise_if_lost(src, tolerant)
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                quiet_since = start if src is None else max(start, self.heard[src])
+                left = quiet_since + timeout + self.stalls.since(quiet_since) - now  # our own stops do not count
                 if left <= 0:
-                    who = "any peer" if src is None else f"worker rank {src}"
+                    who = "any peer" if src is None else f"{self._role(src)} rank {src}"
                     raise TimeoutError(f"no message from {who} for {timeout:g} s (tag {tag})")
-                self.cond.wait(left)
+                if src is not None and now - max(quiet_since, self.pinged[src]) > timeout / 4:
+                    self.pinged[src] = now
+                    with self.send_lock:
+                        self._post_quietly(src, PING)
+                self.cond.wait(min(left, timeout / 4))
 
     def poll(self, tag: int, tolerant: bool = False) -> list[Message]:
         """Every message with `tag` received so far, oldest first. Raises PeerLost if a peer is
         gone, unless `tolerant`."""
         with self.cond:
+            self._raise_if_dropped()
             if not tolerant:
                 self._raise_if_lost(None)
             queue = self.queues.get(tag)
@@ -199,14 +294,15 @@ class Mailbox:
             if peer not in self.lost:
                 self.send(torch.empty(0), peer, CLOSE, drop_lost=True)
         deadline = time.monotonic() + timeout
-        for thread in self.threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        for peer, thread in zip(self.peers, self.threads, strict=True):
+            if peer not in self.silent:  # a dropped peer may never say goodbye
+                thread.join(max(0.0, deadline - time.monotonic()))
         with self.send_lock:  # receive threads may still append answers
-            pending = list(self.pending)
+            pending = [p for queue in self.pending.values() for p in queue if p.dst not in self.lost]
         for p in pending:
-            if p.dst not in self.lost:
-                p.work.wait(timedelta(seconds=max(0.1, deadline - time.monotonic())))
-        self.pending.clear()
+            p.work.wait(timedelta(seconds=max(0.1, deadline - time.monotonic())))
+        for queue in self.pending.values():
+            queue.clear()
 
     def _take(self, tag: int, src: int | None) -> Message | None:
         queue = self.queues.get(tag)
@@ -220,18 +316,36 @@ class Mailbox:
                 return message
         return None
 
+    def losses(self) -> list[dict]:
+        """Every lost rank, by rank: {"rank", "role", "how" ("died", or when it was dropped for
+        its silence "stopped" or "silent"), "reason"}."""
+        with self.cond:
+            return [{"rank": r, "role": self._role(r), "how": self.how.get(r, "died"), "reason": self.lost[r]}
+                    for r in sorted(self.lost)]  # fmt: skip
+
+    def _role(self, rank: int) -> str:
+        return "server" if self.workers is not None and rank >= self.workers else "worker"
+
+    def peer_lost(self, rank: int, reason: str | None = None) -> PeerLost:
+        """The PeerLost for `rank`, naming its role, for `reason` (default: why it is lost)."""
+        return PeerLost(rank, self.lost[rank] if reason is None else reason, self._role(rank))
+
+    def _raise_if_dropped(self) -> None:
+        if self.dropped is not None:
+            raise Dropped(f"dropped by the others: {self.dropped}")
+
     def _raise_if_lost(self, src: int | None, tolerant: bool = False) -> None:
         if src is not None and src in self.lost:
-            raise PeerLost(src, self.lost[src])
+            raise self.peer_lost(src)
         if src is None and tolerant:
             news = set(self.lost) - self.told
             if news:
                 rank = min(news)
                 self.told.add(rank)
-                raise PeerLost(rank, self.lost[rank])
+                raise self.peer_lost(rank)
         elif src is None and self.lost:
             rank = min(self.lost)
-            raise PeerLost(rank, self.lost[rank])
+            raise self.peer_lost(rank)
 
     def _receive(self, peer: int) -> None:
         header = torch.empty(5, dtype=torch.int64)
@@ -239,16 +353,30 @@ class Mailbox:
             while True:
                 _receive(header, peer, self.group, _HEADER_TAG)
                 tag, step, aux, numel, dtype = header.tolist()
+                self.heard[peer] = time.monotonic()
                 if tag == CLOSE:
                     return
                 payload = torch.empty(numel, dtype=_DTYPES[dtype])
                 if numel:
                     _receive(payload, peer, self.group, _PAYLOAD_TAG)
+                if peer in self.silent:  # dropped: what it sends now would only confuse the ledgers
+                    continue
                 if tag == RUN_STOP:
                     self.on_stop()
                     continue
                 if tag == CHECKPOINT:
                     self.on_checkpoint(step)
+                    continue
+                if tag == DROPPED:
+                    self._dropped(peer, aux)
+                    continue
+                if tag == PING:
+                    with self.send_lock:
+                        self._post_quietly(peer, PONG)
+                    continue
+                if tag == PONG:
+                    with self.cond:
+                        self.cond.notify_all()  # `_await_sign` may be waiting for it
                     continue
                 if tag == SNAPSHOT_REQUEST:
                     self._serve(peer)
@@ -260,8 +388,20 @@ class Mailbox:
                     self.cond.notify_all()
         except Exception as e:  # the connection broke: the peer died or went away
             with self.cond:
-                self.lost[peer] = comm_error(e)
+                self.lost.setdefault(peer, comm_error(e))
+                self.how.setdefault(peer, "died")
                 self.cond.notify_all()
+
+    def _dropped(self, src: int, rank: int) -> None:
+        """Peer `src` dropped `rank` (a receive thread): this worker, or another peer."""
+        how = self.whereabouts(rank) if rank != self.rank else ""
+        with self.cond:
+            if rank == self.rank:
+                self.dropped = f"rank {src} found it silent for {self.timeout:g} s (stopped, stuck or far too slow)"
+            elif rank not in self.lost:
+                self.lost[rank] = f"silent for {self.timeout:g} s (found by rank {src})"
+                self.silent, self.how[rank] = self.silent | {rank}, how
+            self.cond.notify_all()
 
 
 def _is_traffic(tag: int) -> bool:

@@ -13,6 +13,7 @@ import os
 import sys
 import threading
 from dataclasses import replace
+from functools import partial
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from ako.metrics import write_atomic
 from ako.run.job import Job
 from ako.run.outcome import WorkerResult, final_summary, open_log, open_run_dir, publish
 from ako.run.worker import WorkerState
-from ako.runtime.distributed import checkpoint
+from ako.runtime.distributed import checkpoint, liveness
 from ako.runtime.distributed.mailbox import comm_error
 from ako.runtime.distributed.replicas import MailboxReplicas
 from ako.runtime.distributed.runtime import DistributedRuntime
@@ -103,6 +104,16 @@ def name_process(name: str) -> None:
         ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME
 
 
+def workers_of(config, world: int | None = None) -> int:
+    """How many of the job's `world` processes (default: the agent's WORLD_SIZE) are workers:
+    the rest are `config.servers`. Raises ConfigError when none would be."""
+    world = _environment("WORLD_SIZE", 1, 1 << 20) if world is None else world
+    servers = config.servers or 0
+    if world <= servers:
+        raise ConfigError(f"servers {servers}: the world size {world} leaves no workers")
+    return world - servers
+
+
 def run_rank(job: Job) -> WorkerResult:
     """Run as one process of the job whose group the elastic agent's (or launcher's)
     environment describes: ranks below `config.workers` are workers, the rest servers."""
@@ -113,11 +124,9 @@ def run_rank(job: Job) -> WorkerResult:
         rank, world, store = join_process_group(config.timeout, backend)
     except (RuntimeError, dist.DistError) as e:
         raise RuntimeError(f"the workers did not all join within {config.timeout:g} s: {comm_error(e)}") from None
-    servers = config.servers or 0
-    if world <= servers:
-        raise ConfigError(f"servers {servers}: the world size {world} leaves no workers")
-    name_process(f"ako-{'rank' if rank < world - servers else 'server'}{rank}")
-    result, lost = _train(replace(job, config=replace(config, workers=world - servers)), rank, world, device, store)
+    workers = workers_of(config, world)
+    name_process(f"ako-{'rank' if rank < workers else 'server'}{rank}")
+    result, lost = _train(replace(job, config=replace(config, workers=workers)), rank, world, device, store)
     # Only after success with every peer alive: a receive thread may be blocked on a stuck or
     # dead peer, and destroying the group under it could wait for ever; the process exits instead.
     if not lost:
@@ -133,7 +142,9 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     replica = job.build_replica(data, device)
     job.validate(data, replica.numel)
     try:
-        runtime = DistributedRuntime(rank, world, config.timeout, device, strategy.survives_loss)
+        runtime = DistributedRuntime(rank, world, config.timeout, device, strategy.survives_loss, n)
+        liveness.record(store, rank)
+        runtime.mailbox.whereabouts = partial(liveness.whereabouts, store)
         runtime.broadcast(replica.params)  # identical replicas, whatever the model factory did
     except (RuntimeError, dist.DistError) as e:
         raise RuntimeError(f"the workers did not all get ready within {config.timeout:g} s: {comm_error(e)}") from None
@@ -184,7 +195,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     runtime.close()
     result = WorkerResult(rank, replica.params.cpu().clone(), facts)
     if rank == 0:
-        lost = sorted(runtime.mailbox.lost)
+        lost = runtime.mailbox.losses()
         result.summary, result.model = final_summary(job, data, state, reports, finals, facts, lost, run_dir, resumed=point)
         publish(run_dir, result.summary)
     return result, bool(runtime.mailbox.lost)

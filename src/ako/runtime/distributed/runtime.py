@@ -78,11 +78,15 @@ class DistributedRuntime:
     """Carries out a strategy program's operations for this process (a worker or a server).
 
     `timeout` bounds every wait (seconds). The mailbox runs on a process group of its own.
+    Ranks from `workers` on are servers (None: every rank is a worker).
     With `survives_loss`, a dead peer is not an error: `Poll` leaves it out, a `Send` to it is
     dropped, and only a `Recv` that waits on it (or on anyone, when every peer is dead) fails.
     """
 
-    def __init__(self, rank: int, world_size: int, timeout: float, device: torch.device, survives_loss: bool = False):
+    def __init__(
+        self, rank: int, world_size: int, timeout: float, device: torch.device, survives_loss: bool = False,
+        workers: int | None = None,
+    ):  # fmt: skip
         self.rank, self.world_size, self.timeout, self.device = rank, world_size, timeout, device
         self.survives_loss = survives_loss
         self.collective_bytes = 0  # as a ring all-reduce moves them: 2 (n-1)/n x bytes each way
@@ -92,7 +96,7 @@ class DistributedRuntime:
         self.checkpoints: checkpoint.Checkpoints | None = None  # with --checkpoint-every
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
         peers = [r for r in range(world_size) if r != rank]
-        self.mailbox = Mailbox(rank, peers, group, timeout, self._stop_requested, self._checkpoint_called)
+        self.mailbox = Mailbox(rank, peers, group, timeout, self._stop_requested, self._checkpoint_called, workers)
 
     def _stop_requested(self) -> None:
         if self.state is not None:
@@ -165,25 +169,26 @@ class DistributedRuntime:
         raise TypeError(f"unknown operation {op!r}")
 
     def receive(self, tag: int, src: int | None):
-        """`ops.Recv`. A strategy that survives losses carries on without a peer that stays
-        silent for the timeout while it waits on that peer (stopped or stuck): it is lost."""
+        """`ops.Recv`. A strategy that survives losses carries on without a worker other than
+        rank 0 (which evaluates and reports) that stays silent for the timeout while it waits
+        on it (stopped, stuck or far too slow): it is dropped (`Mailbox.drop`)."""
         try:
             return self.mailbox.get(tag, src, self.timeout, tolerant=self.survives_loss)
         except TimeoutError:
-            if not (self.survives_loss and src is not None):
+            if not (self.survives_loss and src not in (None, 0)):
                 raise
-            reason = f"silent for {self.timeout:g} s (stopped or stuck)"
+            reason = f"silent for {self.timeout:g} s"
+            self.mailbox.drop(src, reason)
             with self.mailbox.cond:
-                self.mailbox.lost.setdefault(src, reason)
                 self.mailbox.told.add(src)
-            raise ops.PeerLost(src, reason) from None
+            raise self.mailbox.peer_lost(src, reason) from None
 
     def pull(self, src: int) -> ops.Snapshot:
         """Request `src`'s published snapshot and wait for it (see `ops.Pull`)."""
         if src in self.mailbox.lost:
-            raise ops.PeerLost(src, self.mailbox.lost[src])
+            raise self.mailbox.peer_lost(src)
         self.mailbox.send(torch.empty(0), src, SNAPSHOT_REQUEST, drop_lost=self.survives_loss)
-        message = self.mailbox.get(SNAPSHOT, src, self.timeout)
+        message = self.receive(SNAPSHOT, src)
         return ops.Snapshot(src, message.step, message.tensor.to(self.device))
 
     def _told_to_stop(self, tag: int, iteration: int) -> bool:
