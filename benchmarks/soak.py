@@ -1,12 +1,13 @@
 """Soaks: long runs with repeated failures, and what they end with, against runs without any.
 
     .venv/bin/python benchmarks/soak.py [--minutes 10] [--seed 0] [--parts restarts,decentralised]
+                                        [--strategies allreduce,bsp,ako,gossip]
 
 restarts: `allreduce` and `bsp` (1 server) under `torchrun --max-restarts 20 --checkpoint-every
 2s` for about --minutes each, a random process (worker or server) killed -9 every 30-90 s
 (seeded). Each attempt resumes from the last complete checkpoint; the run must end with the
 final parameters of the same run never interrupted (to 1e-6). The epochs are chosen from a
-one-epoch run so that the uninterrupted run takes about 85% of --minutes.
+two-epoch run so that the uninterrupted run takes about 85% of --minutes.
 
 decentralised: `ako` and `gossip` on 4 workers (`ako train`, --timeout 10): worker 2 is
 SIGSTOPped for 2 x the timeout, and worker 3 killed -9, in the same run. Every live worker
@@ -52,6 +53,8 @@ def train(args: list[str], out_dir: Path, torchrun: int | None = None, restarts:
         thread.start()
     out, err = proc.communicate()
     wall = time.monotonic() - start
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "stderr.txt").write_text(err)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[-12:])}: exit status {proc.returncode}\n{err[-2000:]}")
     (run_dir,) = [Path(line.split()[-1]) for line in out.splitlines() if line.strip().startswith("run directory")]
@@ -111,8 +114,9 @@ def restarts(strategy: str, minutes: float, seed: int, out: Path) -> dict:
     servers = ["--servers", "1"] if strategy == "bsp" else []
     procs = 3 if servers else 2
     base = ["--strategy", strategy, *servers, *DATA, "--seed", str(seed), "--checkpoint-every", "2s"]
-    probe = train([*base, "--epochs", "1"], out / "probe", torchrun=procs)
-    epochs = max(2, math.ceil(0.85 * minutes * 60 / max(probe["wall"], 1e-3)))
+    probe = train([*base, "--epochs", "2"], out / "probe", torchrun=procs)
+    epoch_seconds = probe["wall_seconds"] / 2  # rank 0's, training and evaluation, not start-up
+    epochs = max(2, math.ceil(0.85 * minutes * 60 / max(epoch_seconds, 1e-3)))
     whole = train([*base, "--epochs", str(epochs)], out / "whole", torchrun=procs)
     kills: list = []
     soaked = train([*base, "--epochs", str(epochs)], out / "soak", torchrun=procs, restarts=20,
@@ -128,7 +132,7 @@ def restarts(strategy: str, minutes: float, seed: int, out: Path) -> dict:
 
 
 def decentralised(strategy: str, seed: int, out: Path, timeout: float = 10.0) -> list[dict]:
-    base = ["--strategy", strategy, *DATA, "--seed", str(seed), "--epochs", "12", "--timeout", f"{timeout:g}"]
+    base = ["--strategy", strategy, *DATA, "--seed", str(seed), "--epochs", "30", "--timeout", f"{timeout:g}"]
     reference = train([*base, "--workers", "3"], out / "n-1")
     events: list = []
 
@@ -168,14 +172,15 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=10.0, help="length of each restart soak (default 10)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parts", default="restarts,decentralised")
+    parser.add_argument("--strategies", default="allreduce,bsp,ako,gossip", help="of each part, these only")
     parser.add_argument("--out-dir", default=None, help="where the runs go (default: a temporary directory)")
     args = parser.parse_args()
     out = Path(args.out_dir or tempfile.mkdtemp(prefix="ako-soak-"))
     checks = []
     if "restarts" in args.parts:
-        checks += [restarts(s, args.minutes, args.seed, out / s) for s in ("allreduce", "bsp")]
+        checks += [restarts(s, args.minutes, args.seed, out / s) for s in ("allreduce", "bsp") if s in args.strategies]
     if "decentralised" in args.parts:
-        checks += [c for s in ("ako", "gossip") for c in decentralised(s, args.seed, out / s)]
+        checks += [c for s in ("ako", "gossip") if s in args.strategies for c in decentralised(s, args.seed, out / s)]
     print(f"\n{'check':<75} result")
     for c in checks:
         print(f"{c['check']:<75} {'pass' if c['ok'] else 'FAIL'}")

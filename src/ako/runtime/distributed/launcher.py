@@ -253,8 +253,7 @@ def _child(fn, args, env: dict, pipe) -> None:
     result = fn(*args)
     pipe.send(result)
     pipe.close()
-    if isinstance(result, RankFailed):
-        _exit_now(1)
+    _exit_now(1 if isinstance(result, RankFailed) else 0)  # no teardown: see `_exit_now`
 
 
 def _raise_interrupt(signum, frame):

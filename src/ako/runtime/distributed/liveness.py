@@ -38,6 +38,11 @@ class StallClock:
             gap = now - last - _TICK
             self._state = (now, stalls + ((now, gap),) if gap > _STALL else stalls)
 
+    def longest(self) -> float:
+        """The longest stall so far, seconds (the one still open included)."""
+        (last, stalls), now = self._state, time.monotonic()
+        return max([gap for _, gap in stalls] + [now - last - _TICK])
+
     def since(self, t: float) -> float:
         """Seconds this process was stalled after time `t` (time.monotonic)."""
         (last, stalls), now = self._state, time.monotonic()

@@ -52,6 +52,7 @@ from ako.strategies.tags import CHECKPOINT, CLOSE, DROPPED, PING, PONG, RUN_STOP
 _HEADER_TAG, _PAYLOAD_TAG = 1, 2
 _FOREVER = timedelta(days=365)
 _SETTLE_AFTER = 0.5  # seconds after which a send to a live peer has been taken
+_DROPPED_WORD = 3.0  # seconds a worker stopped past the timeout waits for the word that it was dropped
 _MAX_PENDING = 256  # sends in flight to one peer before the sender waits for it (backpressure)
 _DTYPES = [torch.float32, torch.float64, torch.int64, torch.float16, torch.bfloat16, torch.uint8]
 
@@ -130,7 +131,7 @@ class Mailbox:
                 self._post(tensor, dst, tag, step, aux)
             except RuntimeError as e:
                 if not drop_lost:
-                    raise self.peer_lost(dst, comm_error(e)) from None
+                    raise self._lost_error(dst, comm_error(e)) from None
 
     def publish(self, tensor: torch.Tensor, step: int) -> None:
         """Make `tensor` (flat, CPU, never modified afterwards) the snapshot served to peers'
@@ -180,26 +181,28 @@ class Mailbox:
             while queue and (now - queue[0].posted > _SETTLE_AFTER or len(queue) > _MAX_PENDING):
                 oldest = queue[0]
                 if peer not in self.lost and self.heard[peer] < oldest.posted:
-                    self._ping(peer, now)
-                    if len(queue) <= _MAX_PENDING and now - oldest.posted < self.timeout:
+                    if self.pinged[peer] < oldest.posted:  # not asked since: ask now
+                        self._ping(peer, now)
+                    asked = self.pinged[peer]
+                    if len(queue) <= _MAX_PENDING and now - asked < self.timeout:
                         break  # not yet: a live peer answers soon
-                    self._await_sign(peer, oldest.posted, drop_lost)
+                    self._await_sign(peer, oldest.posted, asked, drop_lost)
                 queue.popleft()
                 self._finish(oldest, drop_lost)
 
     def _ping(self, peer: int, now: float) -> None:
-        if now - self.pinged[peer] > _SETTLE_AFTER:
-            self.pinged[peer] = now
-            with self.send_lock:
-                self._post_quietly(peer, PING)
+        self.pinged[peer] = now
+        with self.send_lock:
+            self._post_quietly(peer, PING)
 
-    def _await_sign(self, peer: int, since: float, drop_lost: bool) -> None:
-        """Wait until `peer` is heard from after `since`, for at most `timeout` s from `since`
-        (less the time this process was stopped); after that it is silent: dropped (with
-        `drop_lost`, unless it is rank 0, which evaluates and reports) or PeerLost."""
+    def _await_sign(self, peer: int, since: float, asked: float, drop_lost: bool) -> None:
+        """Wait until `peer` is heard from after `since`, for at most `timeout` s from `asked`
+        (when it was pinged; less the time this process was stopped since); after that it is
+        silent: dropped (with `drop_lost`, unless it is rank 0, which evaluates and reports)
+        or PeerLost."""
         with self.cond:
             while self.heard[peer] < since and peer not in self.lost:
-                left = since + self.timeout + self.stalls.since(since) - time.monotonic()
+                left = asked + self.timeout + self.stalls.since(asked) - time.monotonic()
                 if left <= 0:
                     break
                 self.cond.wait(min(left, _SETTLE_AFTER))
@@ -207,7 +210,7 @@ class Mailbox:
             return
         reason = f"took no message for {self.timeout:g} s"
         if not drop_lost or peer == 0:
-            raise self.peer_lost(peer, f"{reason} (stuck, or far too slow)")
+            raise self._lost_error(peer, f"{reason} (stuck, or far too slow)")
         self.drop(peer, reason)
 
     def _finish(self, send: _Send, drop_lost: bool) -> None:
@@ -219,8 +222,11 @@ class Mailbox:
         try:
             send.work.wait()
         except RuntimeError as e:
-            if not (drop_lost and send.dst in self.lost):
-                raise self.peer_lost(send.dst, comm_error(e)) from None
+            if not drop_lost:
+                raise self._lost_error(send.dst, comm_error(e)) from None
+            with self.cond:  # its receive thread may not have seen the broken connection yet
+                self.lost.setdefault(send.dst, comm_error(e))
+                self.how.setdefault(send.dst, "died")
 
     def _post_quietly(self, peer: int, tag: int, aux: int = 0) -> None:
         """Post an empty message of the runtime's own (caller holds `send_lock`); a peer that is
@@ -330,22 +336,34 @@ class Mailbox:
         """The PeerLost for `rank`, naming its role, for `reason` (default: why it is lost)."""
         return PeerLost(rank, self.lost[rank] if reason is None else reason, self._role(rank))
 
+    def _lost_error(self, rank: int, reason: str | None = None) -> Exception:
+        """PeerLost for `rank`; or Dropped, when this process was itself stopped for longer than
+        the timeout and the word that the others dropped it comes within `_DROPPED_WORD` s (its
+        peers may end, and close their connections, before it reads that word)."""
+        if self.dropped is None and self.stalls.longest() > self.timeout:
+            deadline = time.monotonic() + _DROPPED_WORD
+            with self.cond:
+                while self.dropped is None and time.monotonic() < deadline:
+                    self.cond.wait(0.1)
+        if self.dropped is not None:
+            return Dropped(f"dropped by the others: {self.dropped}")
+        return self.peer_lost(rank, reason)
+
     def _raise_if_dropped(self) -> None:
         if self.dropped is not None:
             raise Dropped(f"dropped by the others: {self.dropped}")
 
     def _raise_if_lost(self, src: int | None, tolerant: bool = False) -> None:
         if src is not None and src in self.lost:
-            raise self.peer_lost(src)
+            raise self._lost_error(src)
         if src is None and tolerant:
             news = set(self.lost) - self.told
             if news:
                 rank = min(news)
                 self.told.add(rank)
-                raise self.peer_lost(rank)
+                raise self._lost_error(rank)
         elif src is None and self.lost:
-            rank = min(self.lost)
-            raise self.peer_lost(rank)
+            raise self._lost_error(min(self.lost))
 
     def _receive(self, peer: int) -> None:
         header = torch.empty(5, dtype=torch.int64)
