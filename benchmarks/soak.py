@@ -137,10 +137,9 @@ def decentralised(strategy: str, seed: int, out: Path, timeout: float = 10.0) ->
     events: list = []
 
     def stop_and_kill(proc):
-        time.sleep(1)
-        while proc.poll() is None and "ako-rank3" not in children(proc):
+        while proc.poll() is None and not list((out / "n").glob("*/metrics.jsonl")):
             time.sleep(0.2)
-        time.sleep(10)  # training is under way
+        time.sleep(5)  # training is under way
         pids = children(proc)
         os.kill(pids["ako-rank2"], signal.SIGSTOP)
         events.append("stop 2")

@@ -85,12 +85,13 @@ def test_killed_server_stops_the_job_naming_it(tmp_path, strategy):
 
 def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
     """Under `torchrun --max-restarts 1`, a killed worker makes the agent restart the group,
-    and the new attempt resumes in the same run directory from its last complete checkpoint."""
+    and the new attempt resumes in the same run directory from its last complete checkpoint,
+    and ends with the parameters of the run never interrupted (the short version of
+    benchmarks/soak.py's restart soak)."""
     out_dir = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "1", "-m", "ako", "train", "--strategy", "allreduce", "--dataset", "digits",
-           "--batch-size", "16", "--epochs", "6", "--eval-every", "2", "--checkpoint-every", "0.2s",
-           "--out-dir", str(out_dir), "--no-progress"]  # fmt: skip
+    train = ["-m", "ako", "train", "--strategy", "allreduce", "--dataset", "digits", "--batch-size", "16",
+             "--epochs", "6", "--eval-every", "2", "--checkpoint-every", "0.2s", "--out-dir", str(out_dir), "--no-progress"]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", *train]
     ready = lambda d, deadline: wait_for_checkpoint(d, 2, deadline)  # noqa: E731
     code, out, err, _ = run_and_kill(cmd, "ako-rank1", out_dir, ready=ready)
     assert code == 0, err[-3000:]
@@ -99,6 +100,11 @@ def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
     assert summary["resumed_from_step"] > 0
     assert f"resuming {run_dir} from its checkpoint at step {summary['resumed_from_step']}" in err
     assert [w["steps"] for w in summary["per_worker"]] == [summary["iterations"]] * 2
+    config = TrainConfig(**load_toml(run_dir / "config.toml"))
+    whole = ako.train(replace(config, checkpoint_every=None, out_dir=str(tmp_path / "whole")))
+    saved, reference = (torch.load(Path(d) / "model.pt", weights_only=True) for d in (run_dir, whole.summary["run_dir"]))
+    for name, value in reference.items():
+        torch.testing.assert_close(saved[name], value, rtol=0, atol=1e-6)
 
 
 def test_a_lost_worker_under_the_ring_is_named_as_the_cause(tmp_path):

@@ -86,9 +86,9 @@ def save(run_dir: str | os.PathLike, point: int, rank: int, world: int, state: d
     for old in mine[:-_KEEP]:
         if int(old.parent.name) == complete:
             continue
-        old.unlink(missing_ok=True)
-        for marker in old.parent.glob("*.lost") if rank == 0 else ():
+        for marker in old.parent.glob("*.lost") if rank == 0 else ():  # while its own file keeps the directory
             marker.unlink(missing_ok=True)
+        old.unlink(missing_ok=True)
         try:
             old.parent.rmdir()
         except OSError:  # other ranks' files are still in it

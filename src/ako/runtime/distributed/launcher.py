@@ -189,11 +189,13 @@ class _Group:
                 else:
                     self._grace(0, running)  # rank 0 logs the metrics it has before the job is stopped
                     stopped = next((r for r in sorted(running) if is_stopped(self.procs[r].pid)), None)
+                    then = f" ({role(rank)} rank {rank}: {lost[rank]})"  # what the cause did to the job
                     if stopped is not None:  # the cause, rather than the rank that timed out on it
-                        raise WorkerFailed(f"{role(stopped)} rank {stopped} failed: stopped (SIGSTOP or a debugger); the others timed out waiting for it")
+                        raise WorkerFailed(f"{role(stopped)} rank {stopped} failed: stopped (SIGSTOP or a debugger); "
+                                           f"the others timed out waiting for it{then}")  # fmt: skip
                     first = min((r for r in lost if r != rank), default=None)
                     if first is not None:  # a loss the strategy could not survive after all (Ako's ring)
-                        raise WorkerFailed(f"{role(first)} rank {first} failed: {lost[first]}; the others could not go on without it")
+                        raise WorkerFailed(f"{role(first)} rank {first} failed: {lost[first]}; the others could not go on without it{then}")
                     raise WorkerFailed(f"{role(rank)} rank {rank} failed: {lost[rank]}")
         return self.results
 
