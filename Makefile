@@ -26,6 +26,7 @@ benchmarks: $(STAMP) data
 	$(PY) benchmarks/ddp_vs_allreduce.py
 	$(PY) benchmarks/main_job.py
 	$(PY) benchmarks/stragglers.py
+	$(PY) benchmarks/soak.py
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)

@@ -174,8 +174,8 @@ class Mailbox:
         (their receive threads have taken them, or are taking them), and, while more than
         `_MAX_PENDING` are in flight to one peer, for a sign of life from it first. A Gloo send's
         work reports completion only once waited on, so waiting is the only way to free its
-        tensors. Raises PeerLost for a peer that is gone or silent for `timeout` s (with
-        `drop_lost`: drops a silent one, and only a peer that is gone raises, never)."""
+        tensors. Raises PeerLost for a peer that is gone, or silent for `timeout` s after a
+        ping; with `drop_lost` a silent peer is dropped and a dead one left out instead."""
         now = time.monotonic()
         for peer, queue in self.pending.items():
             while queue and (now - queue[0].posted > _SETTLE_AFTER or len(queue) > _MAX_PENDING):
