@@ -117,6 +117,23 @@ def test_a_broken_rendezvous_fails_within_the_timeout_naming_the_cause(tmp_path,
     assert elapsed < 2 * 3 + 10 + 15  # the store's retries (or our guard), plus starting Python and torch
 
 
+def test_under_torchrun_bad_input_fails_before_joining(tmp_path):
+    """A worker checks the job before it joins the group: a batch larger than a worker's
+    shard fails at once in one line, though the store it would join never answers."""
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        env = _torchrun_env(squatter.getsockname()[1])
+        cmd = [sys.executable, "-m", "ako", "train", "--dataset", "digits", "--batch-size", "5000", "--timeout", "30",
+               "--out-dir", str(tmp_path), "--no-progress"]  # fmt: skip
+        start = time.monotonic()
+        proc = subprocess.run(cmd, env=env | {"LOCAL_RANK": "0"}, capture_output=True, text=True, timeout=60)
+        elapsed = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("ako: error: batch_size 5000: must be at most the per-worker shard of 1497 // 2 workers")
+    assert proc.stderr.count("\n") == 1 and elapsed < 30, (proc.stderr, elapsed)  # not the join's 30 s
+
+
 @pytest.mark.parametrize(
     "variable, value, allowed",
     [("RANK", "abc", "from 0 to 1"), ("RANK", "2", "from 0 to 1"), ("WORLD_SIZE", "0", "from 1 to"), ("MASTER_PORT", "abc", "from 1 to 65535")],
