@@ -26,7 +26,7 @@ from ako.config import ConfigError
 from ako.data import DataError
 from ako.run.outcome import WorkerResult
 from ako.runtime.distributed.liveness import is_stopped
-from ako.runtime.distributed.process import run_rank
+from ako.runtime.distributed.process import StartupFailed, run_rank
 from ako.run.job import Job
 from ako.strategies.ops import PeerLost
 
@@ -51,6 +51,7 @@ class RankFailed:
     lines of ranks that only met another's failure are left out."""
 
     line: str
+    fatal: bool = False  # it failed before training began: the job cannot carry on without it
 
 
 def rank_entry(job: Job) -> WorkerResult | RankFailed:
@@ -64,7 +65,7 @@ def rank_entry(job: Job) -> WorkerResult | RankFailed:
         # Often this worker only noticed another's death: give the launcher a moment to see
         # that one first, so that its report names the root cause.
         time.sleep(1.0)
-        return RankFailed(one_line(e))
+        return RankFailed(one_line(e), fatal=isinstance(e, StartupFailed))
 
 
 def _numpy(result: WorkerResult) -> WorkerResult:
@@ -149,7 +150,7 @@ class _Group:
         self.procs: dict[int, mp.Process] = {}
         self.pipes: dict[int, object] = {}
         self.results: dict[int, object] = {}
-        self.failures: dict[int, str] = {}  # rank -> its RankFailed line
+        self.failures: dict[int, RankFailed] = {}
 
     def start(self, context, fn, args, rank: int, env: dict) -> None:
         receiver, sender = context.Pipe(duplex=False)
@@ -183,8 +184,9 @@ class _Group:
                 running.discard(rank)
                 if rank in self.results:  # it finished its part: dying in teardown fails nothing
                     continue
-                lost[rank] = self.failures.get(rank) or (_exit_status(code) if code else "exited without a result")
-                if rank in survivable:
+                failure = self.failures.get(rank)
+                lost[rank] = failure.line if failure else _exit_status(code) if code else "exited without a result"
+                if rank in survivable and not (failure and failure.fatal):
                     print(f"ako: {role(rank)} rank {rank} lost: {lost[rank]}", file=sys.stderr, flush=True)
                 else:
                     self._grace(0, running)  # rank 0 logs the metrics it has before the job is stopped
@@ -231,7 +233,7 @@ class _Group:
             except EOFError:  # it died before sending
                 return
             if isinstance(result, RankFailed):
-                self.failures[rank] = result.line
+                self.failures[rank] = result
             else:
                 self.results[rank] = result
 

@@ -12,6 +12,7 @@ import ctypes
 import os
 import sys
 import threading
+from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
 from datetime import timedelta
@@ -147,9 +148,10 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         runtime.mailbox.whereabouts = partial(liveness.whereabouts, store)
         runtime.broadcast(replica.params)  # identical replicas, whatever the model factory did
     except (RuntimeError, dist.DistError) as e:
-        raise RuntimeError(f"the workers did not all get ready within {config.timeout:g} s: {comm_error(e)}") from None
+        raise StartupFailed(f"the workers did not all get ready within {config.timeout:g} s: {comm_error(e)}") from None
     identity = job.identity(replica.numel)  # what checkpoints of this run must agree with
-    run_dir, point = _run_dir(job, data, rank, store, runtime, identity)
+    with _starting(config.timeout):
+        run_dir, point = _run_dir(job, data, rank, store, runtime, identity)
     log = open_log(run_dir, config) if rank == 0 else None
     saved = checkpoint.load(run_dir, point, rank) if point is not None else None
     if saved is not None:
@@ -178,7 +180,8 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         runtime.restore(saved)
         if log is not None:
             log.resume(state.resumed[1])
-    runtime.barrier()  # start the clocks together
+    with _starting(config.timeout):
+        runtime.barrier()  # start the clocks together
     if state is not None:
         runtime.clock.begin(state.resumed[1], state.resumed_wall)
     else:
@@ -199,6 +202,22 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         result.summary, result.model = final_summary(job, data, state, reports, finals, facts, lost, run_dir, resumed=point)
         publish(run_dir, result.summary)
     return result, bool(runtime.mailbox.lost)
+
+
+class StartupFailed(RuntimeError):
+    """The ranks could not start training together (one is gone, stopped or stuck before the
+    first step): no strategy carries on from that, so the job ends."""
+
+
+@contextmanager
+def _starting(timeout: float):
+    """Communication before the first step: a failure is StartupFailed (ConfigError stays)."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (RuntimeError, dist.DistError) as e:
+        raise StartupFailed(f"the workers did not all get ready within {timeout:g} s: {comm_error(e)}") from None
 
 
 def keep_earlier_config(run_dir: Path, text: str, point: int) -> None:
