@@ -30,4 +30,4 @@ def worker(ctx):
             return {"steps": steps}
 
 
-STRATEGY = Strategy(name="allreduce", worker=worker, paper="synchronous SGD, as DistributedDataParallel does")
+STRATEGY = Strategy(name="allreduce", worker=worker, lockstep=True, paper="synchronous SGD, as DistributedDataParallel does")

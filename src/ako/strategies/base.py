@@ -97,6 +97,8 @@ class Strategy:
     also hold their consensus distance and the accuracy of their average (weighted by each
     worker's `average_weight` fact, when its program returns one: push-sum gossip).
     `survives_loss`: the run carries on when a worker other than rank 0 dies.
+    `lockstep`: every rank runs the same iteration at once (allreduce, bsp, absp), so a
+    checkpoint resumes exactly; a rank that gets the call for one too late skips it.
     `options`: the settings only this strategy (and others declaring them) takes.
     `check(config, numel)` raises ConfigError for options the model cannot take (before any
     process starts). `summarise(per_rank)` adds strategy-specific totals to the summary.
@@ -109,6 +111,7 @@ class Strategy:
     server: ServerProgram | None = None
     replicas_differ: bool = False
     survives_loss: bool = False
+    lockstep: bool = False
     options: tuple[Option, ...] = ()
     check: ConfigCheck | None = None
     summarise: Callable[[list[dict]], dict] | None = None

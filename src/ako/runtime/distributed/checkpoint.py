@@ -14,9 +14,11 @@ rank can reach (one machine, or a shared file system).
 When: every `--checkpoint-every` seconds of training, rank 0 picks a step T a little ahead
 (a fifth of a second of its steps, at least 2, so its message reaches every rank first) and tells
 every rank. A worker saves at its first step boundary at or after T, a server at its first
-update at or after version T; a call that comes while an earlier one is pending is dropped. Under the synchronous strategies (allreduce, bsp, absp) every
-rank is then at the same iteration, so a resumed run continues exactly where it was; under the
-others, each rank's state is its own at about that time.
+update at or after version T; a call that comes while an earlier one is pending is dropped.
+Under the lockstep strategies (allreduce, bsp, absp) every rank saves at T itself (a rank the
+call reaches after T skips that checkpoint, which stays incomplete), so a resumed run
+continues exactly where it was; under the others, each rank's state is its own at about that
+time.
 
 What: a worker's replica (parameters and optimizer state) and `WorkerState.state_dict` (its
 place in the data, straggler draws, RNG, training seconds); a server's shard (`Shard`);
@@ -220,8 +222,9 @@ class Checkpoints:
     byte counts); `every` the seconds of training between checkpoints; `identity` what every
     checkpoint of this run must agree with (`Job.identity`)."""
 
-    def __init__(self, runtime, run_dir: Path, every: float, identity: dict):
+    def __init__(self, runtime, run_dir: Path, every: float, identity: dict, lockstep: bool = False):
         self.runtime, self.run_dir, self.every, self.identity = runtime, run_dir, every, identity
+        self.lockstep = lockstep  # `Strategy.lockstep`: save only at the very step called for
         self.due: int | None = None  # a server's: the step rank 0 called for
 
     def called(self, point: int) -> None:
@@ -247,6 +250,8 @@ class Checkpoints:
         """Save this rank's part of the checkpoint at step `point`: a worker's replica and
         place in the run, or a server's `shard`."""
         state = self.runtime.state
+        if self.lockstep and (state.cursor.step if state is not None else shard.version) != point:
+            return  # the call came late (a busy receive thread): this checkpoint stays incomplete
         if state is not None:
             own = {
                 "role": "worker",

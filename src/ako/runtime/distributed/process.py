@@ -158,7 +158,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         checkpoint.check(saved, identity, str(checkpoint.path(run_dir, point, rank)), contents=True)
     checkpoints = None
     if config.checkpoint_every is not None:
-        checkpoints = checkpoint.Checkpoints(runtime, run_dir, config.checkpoint_seconds, identity)
+        checkpoints = checkpoint.Checkpoints(runtime, run_dir, config.checkpoint_seconds, identity, strategy.lockstep)
         runtime.checkpoints = checkpoints
     servers = list(range(n, world))
     if rank < n:

@@ -91,6 +91,7 @@ def check_micro_batch(value, config) -> int:
 STRATEGY = Strategy(
     name="absp",
     optimizer_on="servers",
+    lockstep=True,
     worker=worker,
     server=server,
     options=(SERVERS, Option(name="micro_batch", help="samples per interruptible micro-batch (default batch-size / 4)",

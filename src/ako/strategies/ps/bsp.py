@@ -37,6 +37,6 @@ def server(sctx):
 
 
 STRATEGY = Strategy(
-    name="bsp", worker=gradient_worker, server=server, options=(SERVERS,), check=check, summarise=staleness_summary,
+    name="bsp", worker=gradient_worker, server=server, options=(SERVERS,), check=check, summarise=staleness_summary, lockstep=True,
     paper="bulk synchronous parallel on parameter servers (Valiant 1990)", optimizer_on="servers",
 )
