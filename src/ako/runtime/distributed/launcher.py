@@ -54,9 +54,13 @@ class RankFailed:
     fatal: bool = False  # it failed before training began: the job cannot carry on without it
 
 
-def rank_entry(job: Job) -> WorkerResult | RankFailed:
-    """The function each launched process runs: its result, or RankFailed (and exit status 1)
-    on an expected failure (set AKO_DEBUG=1 for the traceback)."""
+_RESULTS = None  # a launched process's pipe to the launcher (set by `_child`)
+
+
+def rank_entry(job: Job) -> WorkerResult:
+    """The function each launched process runs: its result; on an expected failure the
+    launcher gets RankFailed through the result pipe and the process exits with status 1
+    (set AKO_DEBUG=1 for the traceback)."""
     try:
         return _numpy(run_rank(job))
     except EXPECTED_FAILURES as e:
@@ -65,7 +69,15 @@ def rank_entry(job: Job) -> WorkerResult | RankFailed:
         # Often this worker only noticed another's death: give the launcher a moment to see
         # that one first, so that its report names the root cause.
         time.sleep(1.0)
-        return RankFailed(one_line(e), fatal=isinstance(e, StartupFailed))
+        failure = RankFailed(one_line(e), fatal=isinstance(e, StartupFailed))
+        if _RESULTS is None:  # not launched by `launch_function`
+            print(f"ako: rank {os.environ.get('RANK', '?')}: {failure.line}", file=sys.stderr)
+        else:
+            _RESULTS.send(failure)
+            _RESULTS.close()
+        # Exit from inside the except: unwinding would free the failed run's objects (a stuck
+        # DataLoader's processes, Gloo's threads), which can wait for ever.
+        _exit_now(1)
 
 
 def _numpy(result: WorkerResult) -> WorkerResult:
@@ -254,10 +266,12 @@ def _child(fn, args, env: dict, pipe) -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(env)
+    global _RESULTS
+    _RESULTS = pipe
     result = fn(*args)
     pipe.send(result)
     pipe.close()
-    _exit_now(1 if isinstance(result, RankFailed) else 0)  # no teardown: see `_exit_now`
+    _exit_now(0)  # no teardown: see `_exit_now`
 
 
 def _raise_interrupt(signum, frame):
