@@ -137,7 +137,8 @@ def decentralised(strategy: str, seed: int, out: Path, timeout: float = 10.0) ->
     events: list = []
 
     def stop_and_kill(proc):
-        while proc.poll() is None and not (list((out / "n").glob("*/metrics.jsonl")) and "ako-rank3" in children(proc)):
+        every = {f"ako-rank{r}" for r in range(4)}
+        while proc.poll() is None and not (list((out / "n").glob("*/metrics.jsonl")) and every <= set(children(proc))):
             time.sleep(0.2)
         time.sleep(5)  # training is under way
         pids = children(proc)
