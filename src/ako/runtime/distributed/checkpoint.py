@@ -31,11 +31,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import pickle
 import shutil
 import sys
 import tomllib
-import zipfile
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -124,38 +124,107 @@ def latest(run_dir: str | os.PathLike, world: int) -> int | None:
 
 def load(run_dir: str | os.PathLike, point: int, rank: int) -> dict:
     """Rank `rank`'s state at step `point` (rank 0's, for a rank lost before it). Raises
-    CheckpointError when it cannot be read."""
+    DamagedCheckpoint when it cannot be read."""
     if not path(run_dir, point, rank).is_file() and _marker(run_dir, point, rank).is_file():
         rank = 0
     file = path(run_dir, point, rank)
     try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # "Detected pickle protocol ...": the error, if any, says enough
+            warnings.simplefilter("ignore")
+            state = torch.load(file, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise DamagedCheckpoint(f"checkpoint {str(file)!r}: not found") from None
-    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError, zipfile.BadZipFile) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DamagedCheckpoint(f"checkpoint {str(file)!r}: cannot read it ({reason[:200]})") from None
+    except Exception as e:  # whatever the bytes make torch's unpickler raise: the file is damaged
+        raise DamagedCheckpoint(f"checkpoint {str(file)!r}: cannot read it ({_unreadable(e)})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise DamagedCheckpoint(f"checkpoint {str(file)!r}: not an ako checkpoint (format {FORMAT})")
     return state
 
 
-_CONTENTS = {"worker": ("params", "optimizer", "worker", "bytes"), "server": ("shard", "bytes")}
+def _unreadable(error: Exception) -> str:
+    """Why torch.load failed, in a few words (not torch's advice to load the file unsafely)."""
+    text = str(error)
+    if "WeightsUnpickler error:" in text:
+        text = text.split("WeightsUnpickler error:", 1)[1]
+        if text.strip().startswith("Unsupported global"):
+            what = text.strip().split(" was not", 1)[0].removeprefix("Unsupported global: ").removeprefix("GLOBAL ")
+            return f"it holds an object of {what}, not only tensors, numbers, strings, lists and dicts"
+    first = text.strip().splitlines()[0][:120] if text.strip() else ""
+    return f"not a file of torch.save: {type(error).__name__}" + (f" {first}" if first else "")
+
+
+_OPTIMIZATION = {"optimizer": {"state": dict, "param_groups": list}, "steps": int}  # `Optimization.state_dict`
+_LAYOUT = {  # what `Checkpoints.save` writes: the type of every value a resume reads
+    "worker": {
+        "params": torch.Tensor,
+        "optimizer": _OPTIMIZATION,
+        "worker": {"step": int, "samples": int, "taken": int, "waiting": torch.Tensor, "waiting_since": torch.Tensor,
+                   "slowdown_rng": str, "torch_rng": torch.Tensor, "seconds": (int, float), "wall": (int, float)},
+        "bytes": [int, int],
+    },
+    "server": {
+        "shard": {"params": torch.Tensor, "optimizer": _OPTIMIZATION, "version": int,
+                  "staleness_sum": int, "staleness_count": int, "staleness_max": int},
+        "bytes": [int, int],
+    },
+}  # fmt: skip
+
+
+def _misfit(value, layout, where: str = "") -> str | None:
+    """Where `value` first differs from `layout` (a type, a tuple of types, a dict of
+    layouts or a list of them, item by item), in words, or None when it fits."""
+    if isinstance(layout, dict):
+        if not isinstance(value, dict):
+            return f"its {where} is {value!r:.40} ({type(value).__name__}, not dict)"
+        for key, inner in layout.items():
+            name = f"{where}.{key}" if where else key
+            if key not in value:
+                return f"it has no {name}"
+            if (why := _misfit(value[key], inner, name)) is not None:
+                return why
+        return None
+    if isinstance(layout, list):
+        if not (isinstance(value, (list, tuple)) and len(value) == len(layout)):
+            return f"its {where} is {value!r:.40} (not a list of {len(layout)})"
+        return next((w for i, (v, t) in enumerate(zip(value, layout)) if (w := _misfit(v, t, f"{where}[{i}]"))), None)
+    if isinstance(value, bool) or not isinstance(value, layout):
+        wanted = " or ".join(t.__name__ for t in (layout if isinstance(layout, tuple) else (layout,)))
+        return f"its {where} is {value!r:.40} ({type(value).__name__}, not {wanted})"
+    return None
 
 
 def check(state: dict, expected: dict, file: str, contents: bool = False) -> None:
-    """Raise CheckpointError naming the first field of `expected` that `state` differs in
-    (and, with `contents`, the first part of a worker's or server's state it lacks)."""
-    if contents:
-        missing = [k for k in _CONTENTS.get(state.get("role"), ("role",)) if k not in state]
-        if missing:
-            raise DamagedCheckpoint(f"checkpoint {file!r}: incomplete, it has no {missing[0]!r}")
+    """Raise CheckpointError naming the first field of `expected` that `state` differs in;
+    with `contents`, DamagedCheckpoint naming the first part of a worker's or server's state
+    that is missing or of the wrong type (`_LAYOUT`), or a worker's parameters that are not
+    `expected["numel"]` numbers."""
+    role = state.get("role")
+    if contents and role not in _LAYOUT:
+        raise DamagedCheckpoint(f"checkpoint {file!r}: damaged, its role is {role!r:.40}, not 'worker' or 'server'")
     for key, want in expected.items():
         if state.get(key) != want:
             raise CheckpointError(
-                f"checkpoint {file!r}: written by a run with {key} {state.get(key)!r}, not {want!r}; "
+                f"checkpoint {file!r}: written by a run with {key} {state.get(key)!r:.60}, not {want!r}; "
                 "resume with the settings it was written with"
             )
+    if contents:
+        why = _misfit(state, _LAYOUT[role])
+        if why is None and role == "worker" and state["params"].numel() != expected.get("numel", state["params"].numel()):
+            why = f"its params are {state['params'].numel()} numbers, not {expected['numel']}"
+        if why is not None:
+            raise DamagedCheckpoint(f"checkpoint {file!r}: damaged, {why}")
+
+
+@contextmanager
+def restoring(file: str):
+    """Restore from the checkpoint `file` in this block: a file whose values have the right
+    types but do not fit this run's replica or optimizer (tensor sizes, parameter groups) is
+    CheckpointError, one line, rather than torch's traceback."""
+    try:
+        yield
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        raise CheckpointError(f"checkpoint {file!r}: damaged, it does not fit this run ({type(e).__name__}: {why})") from None
 
 
 def check_unfinished(config) -> None:

@@ -177,7 +177,8 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         ctx = ServerContext(rank, rank - n, servers, list(range(n)), replica, config, restored, on_update)
     runtime.state = state
     if saved is not None:
-        runtime.restore(saved)
+        with checkpoint.restoring(str(checkpoint.path(run_dir, point, rank))):
+            runtime.restore(saved)
         if log is not None:
             log.resume(state.resumed[1])
     with _starting(config.timeout):
@@ -245,7 +246,8 @@ def _run_dir(job: Job, data, rank: int, store: dist.Store, runtime: DistributedR
             run_dir, point = Path(config.resume), checkpoint.find(config.resume, identity, config.workers, say=True)
         elif attempt > 0 and store.check([key]):
             run_dir = Path(store.get(key).decode())
-            point = checkpoint.latest(run_dir, identity["world"])
+            found = checkpoint.latest(run_dir, identity["world"]) is not None
+            point = checkpoint.find(run_dir, identity, config.workers, say=True) if found else None
         else:
             run_dir, point = open_run_dir(config, job.strategy.name, data), None
         if point is not None:  # checkpoints after `point` belong to the abandoned run: drop them

@@ -141,10 +141,16 @@ class Shard:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.params.copy_(state["params"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        for key in ("version", "staleness_sum", "staleness_count", "staleness_max"):
-            setattr(self, key, int(state[key]))
+        """Continue from a checkpoint's `state_dict`. Raises ConfigError when it does not fit
+        this shard (its size, the optimizer's parameter groups)."""
+        try:
+            self.params.copy_(state["params"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            for key in ("version", "staleness_sum", "staleness_count", "staleness_max"):
+                setattr(self, key, int(state[key]))
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+            why = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+            raise ConfigError(f"checkpoint of the shard [{self.lo}, {self.hi}): it does not fit this run ({type(e).__name__}: {why})") from None
         self.resumed = self.version
 
     def facts(self) -> dict:
