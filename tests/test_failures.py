@@ -119,24 +119,29 @@ def test_a_lost_worker_under_the_ring_is_named_as_the_cause(tmp_path):
     assert "Traceback" not in err, err
 
 
-@pytest.mark.parametrize("strategy", ["ako", "allreduce"])
-def test_a_stopped_worker_never_hangs_the_run(tmp_path, strategy):
+@pytest.mark.parametrize("strategy,rank", [("ako", 2), ("allreduce", 2), ("gossip", 0)])
+def test_a_stopped_worker_never_hangs_the_run(tmp_path, strategy, rank):
     """SIGSTOP for good: the process is alive but silent. The run still ends within the
     timeout, as after a kill: with the others carrying on and the summary saying it was
-    stopped (ako), or naming the stopped rank (allreduce)."""
+    stopped (ako), or with one line naming the stopped rank (allreduce; rank 0, which no
+    strategy goes on without, after it has logged its metrics)."""
     out_dir = tmp_path / "runs"
     cmd = [sys.executable, "-m", "ako", "train", "--strategy", strategy, "--workers", "3", "--dataset", "digits",
            "--epochs", "1000", "--max-time", "8", "--timeout", "5", "--checkpoint-every", "1s",
            "--out-dir", str(out_dir), "--no-progress"]  # fmt: skip
     ready = lambda out_dir, deadline: wait_for_checkpoint(out_dir, 3, deadline)  # noqa: E731 -- training is under way
-    code, out, err, elapsed = run_and_kill(cmd, "ako-rank2", out_dir, sig=signal.SIGSTOP, limit=60, ready=ready)
+    code, out, err, elapsed = run_and_kill(cmd, f"ako-rank{rank}", out_dir, sig=signal.SIGSTOP, limit=60, ready=ready)
     assert "Traceback" not in err, err
     assert elapsed < 5 * 3 + 10, f"took {elapsed:.1f} s"
     if strategy == "ako":
         assert code == 0, err
         assert "worker rank 2 was stopped (SIGSTOP or a debugger) and dropped (silent for 5 s" in out, out
-    else:
-        assert code == 1 and "worker rank 2 failed: stopped (SIGSTOP or a debugger)" in err, err
+        return
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"ako: worker rank {rank} failed: stopped (SIGSTOP or a debugger); the others timed out"), err
+    (run_dir,) = out_dir.glob("*")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records and all(0 <= r["test_accuracy"] <= 1 for r in records)
 
 
 @pytest.mark.parametrize("strategy", ["ako", "gossip"])
@@ -169,11 +174,14 @@ def test_a_worker_stopped_past_the_timeout_is_dropped_and_ends(tmp_path, strateg
     assert [w["steps"] for w in resumed.summary["per_worker"]] == [resumed.summary["iterations"]] * 3
 
 
-def test_a_failed_run_without_checkpoints_keeps_its_metrics(tmp_path):
-    """allreduce evaluates its snapshots after training; when a worker is killed mid-run,
-    rank 0 evaluates and logs the snapshots it took before it fails."""
+@pytest.mark.parametrize("strategy", ["allreduce", "ssp"])
+def test_a_failed_run_without_checkpoints_keeps_its_metrics(tmp_path, strategy):
+    """Snapshots are evaluated after training; when a worker is killed mid-run, rank 0
+    evaluates and logs the snapshots it took before the job ends: when it meets the failure
+    (allreduce), or when the launcher tells it (ssp, whose server goes on without the dead
+    worker, so rank 0 would not notice)."""
     out_dir = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "ako", "train", "--strategy", "allreduce", "--workers", "2", "--dataset", "digits",
+    cmd = [sys.executable, "-m", "ako", "train", "--strategy", strategy, "--workers", "2", "--dataset", "digits",
            "--batch-size", "16", "--epochs", "400", "--eval-every", "0.5", "--out-dir", str(out_dir), "--timeout", "10",
            "--no-progress"]  # fmt: skip
 
@@ -183,7 +191,7 @@ def test_a_failed_run_without_checkpoints_keeps_its_metrics(tmp_path):
         time.sleep(3.0)  # a few evaluation points (every 23 steps) in
 
     code, out, err, _ = run_and_kill(cmd, "ako-rank1", out_dir, ready=training)
-    assert code == 1, err
+    assert code == 1 and err == "ako: worker rank 1 failed: killed by SIGKILL\n", err
     (run_dir,) = out_dir.glob("*")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) >= 2 and all(0 <= r["test_accuracy"] <= 1 for r in records)

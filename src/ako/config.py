@@ -269,6 +269,9 @@ def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
         raise ConfigError(f"unknown model {c.model!r}: choose one of {', '.join(MODELS)}, or give your own as package.module:factory")
     if ":" not in c.dataset and c.dataset != CUSTOM and c.dataset not in DATASETS:
         raise ConfigError(f"unknown data set {c.dataset!r}: choose one of {', '.join(DATASETS)}, or give your own as package.module:factory")
+    if c.data_dir is not None and c.dataset == "digits":
+        raise ConfigError(f"data_dir {c.data_dir!r}: digits is bundled with scikit-learn and reads no files; "
+                          "--data-dir is for the IDX data sets (fashion-mnist, mnist, auto)")  # fmt: skip
     choice("backend", c.backend, BACKENDS)
     _validate_training(c)
     for option in {o.name: o for s in REGISTRY.values() for o in s.options if o.choices}.values():

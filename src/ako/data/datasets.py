@@ -119,7 +119,7 @@ def load_dataset(
     Args:
         name: one of :data:`DATASETS`. "auto" is fashion-mnist when its files are found, else
             digits with a one-line ``notice``; an explicit ``data_dir`` that lacks the files
-            is an error for "auto" too. "digits" ignores ``data_dir`` (it is bundled with
+            is an error for "auto" too. "digits" reads no files (it is bundled with
             scikit-learn: 1797 8x8 images, permuted with numpy ``RandomState(0)``; the first
             1497 are the training set, the last 300 the test set).
         data_dir: directory with the IDX files (see :func:`find_data_dir`); searched alone.

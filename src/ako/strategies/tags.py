@@ -23,3 +23,8 @@ CHECKPOINT = -9  # rank 0's call for a checkpoint at a step
 DROPPED = -10  # "rank `aux` was silent for the timeout: we go on without it" (to it, and to every other peer)
 PING = -11  # "show me you are alive": a peer that has not been heard from since a send to it
 PONG = -12  # the answer to PING, from the receive thread that read it
+
+
+def name(tag: int) -> str:
+    """The name of `tag` for messages ("SNAPSHOT"), or its number when it has none."""
+    return next((k for k, v in globals().items() if k.isupper() and v == tag), str(tag))

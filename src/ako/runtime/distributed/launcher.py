@@ -26,12 +26,12 @@ from ako.config import ConfigError
 from ako.data import DataError
 from ako.run.outcome import WorkerResult
 from ako.runtime.distributed.liveness import is_stopped
-from ako.runtime.distributed.process import StartupFailed, run_rank
+from ako.runtime.distributed.process import END, JobEnded, StartupFailed, run_rank
 from ako.run.job import Job
 from ako.strategies.ops import PeerLost
 
 # Failures a worker reports in one line; anything else is a bug and keeps its traceback.
-EXPECTED_FAILURES = (PeerLost, TimeoutError, DataError, ConfigError, dist.DistError, RuntimeError, OSError)
+EXPECTED_FAILURES = (PeerLost, TimeoutError, DataError, ConfigError, dist.DistError, RuntimeError, OSError, JobEnded)
 _GRACE = 5.0  # seconds rank 0 may take to log its metrics after a fatal loss
 
 
@@ -198,11 +198,13 @@ class _Group:
                     continue
                 failure = self.failures.get(rank)
                 lost[rank] = failure.line if failure else _exit_status(code) if code else "exited without a result"
-                if rank in survivable and not (failure and failure.fatal):
+                # a rank the job cannot lose (rank 0, a server) is stopped: that is why this one failed
+                vital_stopped = any(is_stopped(self.procs[r].pid) for r in running - survivable)
+                if rank in survivable and not (failure and failure.fatal) and not vital_stopped:
                     print(f"ako: {role(rank)} rank {rank} lost: {lost[rank]}", file=sys.stderr, flush=True)
                 else:
-                    self._grace(0, running)  # rank 0 logs the metrics it has before the job is stopped
                     stopped = next((r for r in sorted(running) if is_stopped(self.procs[r].pid)), None)
+                    self._wind_up(running)
                     then = f" ({role(rank)} rank {rank}: {lost[rank]})"  # what the cause did to the job
                     if stopped is not None:  # the cause, rather than the rank that timed out on it
                         raise WorkerFailed(f"{role(stopped)} rank {stopped} failed: stopped (SIGSTOP or a debugger); "
@@ -224,11 +226,21 @@ class _Group:
             raise WorkerFailed(f"{role(0)} rank 0 failed: stopped (SIGSTOP or a debugger) for {timeout:g} s; the others ended without it")
         return min(since, now)
 
-    def _grace(self, rank: int, running: set[int], seconds: float = _GRACE) -> None:
-        """Give `rank`, if still running, up to `seconds` to end by itself (it meets the failure
-        in its next exchange, and rank 0 then evaluates and logs its snapshots)."""
-        if rank in running:
-            self.procs[rank].join(seconds)
+    def _wind_up(self, running: set[int]) -> None:
+        """The job failed: give rank 0, if still training, up to `_GRACE` s to log the metrics
+        it has. It is told (`END`, which raises JobEnded in it), and let run first if it is
+        stopped: under a strategy that goes on without a dead worker as far as rank 0 can tell
+        (ssp's server drops it), it would not meet the failure itself."""
+        if 0 not in running or 0 in self.results or 0 in self.failures:
+            return
+        pid = self.procs[0].pid
+        try:
+            if is_stopped(pid):
+                os.kill(pid, signal.SIGCONT)
+            os.kill(pid, END)
+        except ProcessLookupError:
+            return
+        self.procs[0].join(_GRACE)
 
     def _give_up(self, running: set[int], survivable: set[int], role, timeout: float) -> None:
         """Rank 0 is done and these have not ended within `timeout`: fail on the first that
@@ -265,6 +277,7 @@ def _child(fn, args, env: dict, pipe) -> None:
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(END, signal.SIG_IGN)  # until training begins (`process._endable`)
     os.environ.update(env)
     global _RESULTS
     _RESULTS = pipe

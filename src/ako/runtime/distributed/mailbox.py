@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ako.runtime.distributed.liveness import StallClock
+from ako.strategies import tags
 from ako.strategies.ops import Message, PeerLost
 from ako.strategies.tags import CHECKPOINT, CLOSE, DROPPED, PING, PONG, RUN_STOP, SNAPSHOT, SNAPSHOT_REQUEST
 
@@ -273,7 +274,7 @@ class Mailbox:
                 left = quiet_since + timeout + self.stalls.since(quiet_since) - now  # our own stops do not count
                 if left <= 0:
                     who = "any peer" if src is None else f"{self._role(src)} rank {src}"
-                    raise TimeoutError(f"no message from {who} for {timeout:g} s (tag {tag})")
+                    raise TimeoutError(f"no message from {who} for {timeout:g} s (awaiting {tags.name(tag)})")
                 if src is not None and now - max(quiet_since, self.pinged[src]) > timeout / 4:
                     self.pinged[src] = now
                     with self.send_lock:
@@ -340,13 +341,16 @@ class Mailbox:
         """PeerLost for `rank`; or Dropped, when this process was itself stopped for longer than
         the timeout and the word that the others dropped it comes within `_DROPPED_WORD` s (its
         peers may end, and close their connections, before it reads that word)."""
-        if self.dropped is None and self.stalls.longest() > self.timeout:
+        stopped = self.stalls.longest()
+        if self.dropped is None and stopped > self.timeout:
             deadline = time.monotonic() + _DROPPED_WORD
             with self.cond:
                 while self.dropped is None and time.monotonic() < deadline:
                     self.cond.wait(0.1)
         if self.dropped is not None:
             return Dropped(f"dropped by the others: {self.dropped}")
+        if stopped > self.timeout and self.rank != 0:  # the word was lost with a dropper that ended
+            return Dropped(f"dropped by the others: it was stopped for {stopped:.0f} s, past the {self.timeout:g} s timeout")
         return self.peer_lost(rank, reason)
 
     def _raise_if_dropped(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 import sys
 import threading
 from contextlib import contextmanager
@@ -188,8 +189,9 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     else:
         runtime.clock.begin()
     try:
-        facts = runtime.run(program, ctx, state)
-    except Exception:
+        with _endable():
+            facts = runtime.run(program, ctx, state)
+    except (Exception, JobEnded):
         if state is not None and state.evaluator is not None:
             state.keep_metrics()  # a failed run keeps the metrics up to its failure
         raise
@@ -203,6 +205,34 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         result.summary, result.model = final_summary(job, data, state, reports, finals, facts, lost, run_dir, resumed=point)
         publish(run_dir, result.summary)
     return result, bool(runtime.mailbox.lost)
+
+
+class JobEnded(BaseException):
+    """The launcher ended the job (another rank failed, and this strategy does not go on
+    without it): raised in rank 0's main thread, so that it logs its metrics before it is
+    stopped. A BaseException: no handler of an ordinary error on the way may swallow it."""
+
+
+END = signal.SIGUSR1  # from the launcher: the job failed elsewhere (JobEnded)
+
+
+@contextmanager
+def _endable():
+    """While training: `END` raises JobEnded here (in the main thread). Outside, it is
+    ignored: a rank already failing, or finished, goes on as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def end(signum, frame):
+        signal.signal(END, signal.SIG_IGN)
+        raise JobEnded("the job was ended after another rank failed")
+
+    signal.signal(END, end)
+    try:
+        yield
+    finally:
+        signal.signal(END, signal.SIG_IGN)
 
 
 class StartupFailed(RuntimeError):
