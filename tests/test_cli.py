@@ -93,6 +93,7 @@ BAD_INPUT = [
     (["--checkpoint-every", "often"], "checkpoint_every 'often': expected a period like 30s, 5min or 1h"),
     (["--checkpoint-every", "0s"], "checkpoint_every '0s': must be more than 0 s and at most 1e6 s"),
     (["--resume", "/nonexistent/run"], "resume '/nonexistent/run': not a run directory (no config.toml in it)"),
+    (["--out-dir", "runs\x00"], "out_dir 'runs\\x00': contains a NUL character"),
     (["--data-dir", "/tmp"], "data_dir '/tmp': digits is bundled with scikit-learn and reads no files"),
 ]
 

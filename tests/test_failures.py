@@ -112,8 +112,10 @@ def test_a_lost_worker_under_the_ring_is_named_as_the_cause(tmp_path):
     within seconds, naming the killed rank, not rank 0 that failed on it."""
     out_dir = tmp_path / "runs"
     cmd = [sys.executable, "-m", "ako", "train", "--strategy", "ako", "--exchange", "ring", "--workers", "3",
-           "--dataset", "digits", "--epochs", "1000", "--timeout", "30", "--out-dir", str(out_dir), "--no-progress"]  # fmt: skip
-    code, _, err, elapsed = run_and_kill(cmd, "ako-rank1", out_dir, settle=1.0)
+           "--dataset", "digits", "--epochs", "1000", "--timeout", "30", "--checkpoint-every", "0.5s",
+           "--out-dir", str(out_dir), "--no-progress"]  # fmt: skip
+    ready = lambda out_dir, deadline: wait_for_checkpoint(out_dir, 3, deadline)  # noqa: E731 -- training is under way
+    code, _, err, elapsed = run_and_kill(cmd, "ako-rank1", out_dir, ready=ready)
     assert code == 1 and elapsed < 20, (code, elapsed)
     assert "worker rank 1 failed: killed by SIGKILL; the others could not go on without it" in err, err
     assert "Traceback" not in err, err
@@ -152,7 +154,7 @@ def test_a_worker_stopped_past_the_timeout_is_dropped_and_ends(tmp_path, strateg
     without it: a resume starts it again from rank 0's part and trains all three to the end."""
     out_dir = tmp_path / "runs"
     cmd = [sys.executable, "-m", "ako", "train", "--strategy", strategy, "--workers", "3", "--dataset", "digits",
-           "--epochs", "250", "--timeout", "3", "--checkpoint-every", "0.5s", "--out-dir", str(out_dir),
+           "--epochs", "120", "--timeout", "3", "--checkpoint-every", "0.5s", "--out-dir", str(out_dir),
            "--no-progress"]  # fmt: skip
     ready = lambda out_dir, deadline: wait_for_checkpoint(out_dir, 3, deadline)  # noqa: E731
     code, out, err, _ = run_and_kill(cmd, "ako-rank2", out_dir, sig=signal.SIGSTOP, limit=90, ready=ready, cont_after=6)
@@ -169,7 +171,7 @@ def test_a_worker_stopped_past_the_timeout_is_dropped_and_ends(tmp_path, strateg
     point = checkpoint.latest(run_dir, 3)
     assert checkpoint.stand_ins(run_dir, point) == [2]
     config = TrainConfig(**load_toml(run_dir / "config.toml"))
-    resumed = ako.train(replace(config, resume=str(run_dir), epochs=255))
+    resumed = ako.train(replace(config, resume=str(run_dir), epochs=125))
     assert resumed.summary["resumed_from_step"] == point and resumed.summary["lost_ranks"] == []
     assert [w["steps"] for w in resumed.summary["per_worker"]] == [resumed.summary["iterations"]] * 3
 

@@ -235,7 +235,7 @@ def test_own_model_and_dataset_by_name_from_the_cli_and_on_resume(tmp_path):
     schedule, keeping its config.toml and checkpointing further."""
     out = str(tmp_path / "runs")
     first = _ako("train", *SMALL, "--model", "own_training:digits_net", "--dataset", "own_training:digits_sets",
-                 "--epochs", "40", "--optimizer", "adam", "--lr-schedule", "cosine", "--checkpoint-every", "0.1s",
+                 "--epochs", "15", "--optimizer", "adam", "--lr-schedule", "cosine", "--checkpoint-every", "0.1s",
                  "--out-dir", out, "--strategy", "allreduce")  # fmt: skip
     assert first.returncode == 0, first.stderr
     [run_dir] = run_dirs(tmp_path)

@@ -255,6 +255,9 @@ def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
     bad value."""
     c = dataclasses.replace(config)
     _validate_simulation(c, simulated)
+    for field in dataclasses.fields(c):  # no path, name or module may hold one: the OS refuses it
+        if isinstance(getattr(c, field.name), str) and "\0" in getattr(c, field.name):
+            raise ConfigError(f"{field.name} {getattr(c, field.name)!r}: contains a NUL character")
     for name in ("strategy", "dataset", "model", "backend", "out_dir"):
         if not isinstance(getattr(c, name), str) or not getattr(c, name):
             raise ConfigError(f"{name} {show(getattr(c, name))}: must be a non-empty string")
