@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ako.config import ConfigError
 from ako.data import DataError
 from ako.run.outcome import WorkerResult
+from ako.runtime.distributed import quiet
 from ako.runtime.distributed.liveness import is_stopped
 from ako.runtime.distributed.process import END, JobEnded, StartupFailed, run_rank
 from ako.run.job import Job
@@ -107,7 +108,7 @@ def _exit_now(status: int) -> None:
     """Exit without interpreter teardown: receive threads may still be blocked in a Gloo recv
     from a dead peer, and tearing down under them aborts the process."""
     sys.stdout.flush()
-    sys.stderr.flush()
+    quiet.drain()
     os._exit(status)
 
 

@@ -27,7 +27,7 @@ from ako.metrics import write_atomic
 from ako.run.job import Job
 from ako.run.outcome import WorkerResult, final_summary, open_log, open_run_dir, publish
 from ako.run.worker import WorkerState
-from ako.runtime.distributed import checkpoint, liveness
+from ako.runtime.distributed import checkpoint, liveness, quiet
 from ako.runtime.distributed.mailbox import comm_error
 from ako.runtime.distributed.replicas import MailboxReplicas
 from ako.runtime.distributed.runtime import DistributedRuntime
@@ -120,6 +120,7 @@ def run_rank(job: Job) -> WorkerResult:
     """Run as one process of the job whose group the elastic agent's (or launcher's)
     environment describes: ranks below `config.workers` are workers, the rest servers."""
     torch.set_num_threads(1)  # one thread per worker process: more oversubscribes the cores
+    quiet.drop_gloo_lines()
     config = job.config
     backend, device = pick_device(config.backend)
     try:
