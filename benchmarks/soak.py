@@ -138,9 +138,10 @@ def decentralised(strategy: str, seed: int, out: Path, timeout: float = 10.0) ->
 
     def stop_and_kill(proc):
         every = {f"ako-rank{r}" for r in range(4)}
-        while proc.poll() is None and not (list((out / "n").glob("*/metrics.jsonl")) and every <= set(children(proc))):
+        # metrics.jsonl comes only at the end (snapshots are evaluated after training): wait for the ranks
+        while proc.poll() is None and not (list((out / "n").glob("*/config.toml")) and every <= set(children(proc))):
             time.sleep(0.2)
-        time.sleep(5)  # training is under way
+        time.sleep(8)  # training is under way
         pids = children(proc)
         os.kill(pids["ako-rank2"], signal.SIGSTOP)
         events.append("stop 2")
