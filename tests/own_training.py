@@ -4,6 +4,9 @@ factories that fail."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,6 +50,13 @@ def digits_sets():
     """A data set factory: (train, test) of digits, 384 and 60 samples."""
     split = load_dataset("digits", train_samples=384, test_samples=60)
     return split.train, split.test
+
+
+def slow_on_rank_1() -> nn.Module:
+    """`digits_net`, built 3 s late by rank 1 (a rank that loads or builds slowly on a busy machine)."""
+    if os.environ.get("RANK") == "1":
+        time.sleep(3.0)
+    return digits_net()
 
 
 def broken_net() -> nn.Module:

@@ -473,3 +473,13 @@ def test_samples_left_out_of_each_epoch_are_counted(tmp_path):
     result = ako.train(small_config(tmp_path, strategy="allreduce", train_samples=390))
     s = result.summary
     assert (s["train_samples"], s["samples_left_out_per_epoch"], s["per_worker"][0]["samples"]) == (390, 6, 96)
+
+
+def test_a_rank_slow_to_start_is_waited_for_past_a_short_timeout(tmp_path):
+    """Rank 1 builds its model 3 s after rank 0, with --timeout 1: the start-up waits last at
+    least 30 s under ako's own launcher (a process that dies meanwhile is seen at once), and
+    the run trains."""
+    proc = _ako("train", *SMALL, "--strategy", "allreduce", "--model", "own_training:slow_on_rank_1",
+                "--epochs", "1", "--timeout", "1", "--out-dir", str(tmp_path / "runs"), timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "test accuracy" in proc.stdout

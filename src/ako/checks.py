@@ -19,7 +19,7 @@ def show(value) -> str:
 
 def choice(what: str, value: str, allowed) -> None:
     """Raise ConfigError unless `value` is one of `allowed`."""
-    if value not in allowed:
+    if not isinstance(value, str) or value not in allowed:
         raise ConfigError(f"unknown {what} {value!r}: choose one of {', '.join(allowed)}")
 
 

@@ -121,12 +121,20 @@ def run_rank(job: Job) -> WorkerResult:
     environment describes: ranks below `config.workers` are workers, the rest servers."""
     torch.set_num_threads(1)  # one thread per worker process: more oversubscribes the cores
     quiet.drop_gloo_lines()
+    try:
+        return _run_rank(job)
+    finally:
+        quiet.drain()  # the caller's stderr as it was (ako.train under torchrun runs in the user's process)
+
+
+def _run_rank(job: Job) -> WorkerResult:
     config = job.config
     backend, device = pick_device(config.backend)
+    startup = startup_timeout(config.timeout)
     try:
-        rank, world, store = join_process_group(config.timeout, backend)
+        rank, world, store = join_process_group(startup, backend)
     except (RuntimeError, dist.DistError) as e:
-        raise RuntimeError(f"the workers did not all join within {config.timeout:g} s: {comm_error(e)}") from None
+        raise RuntimeError(f"the workers did not all join within {startup:g} s: {comm_error(e)}") from None
     workers = workers_of(config, world)
     name_process(f"ako-{'rank' if rank < workers else 'server'}{rank}")
     result, lost = _train(replace(job, config=replace(config, workers=workers)), rank, world, device, store)
@@ -137,6 +145,17 @@ def run_rank(job: Job) -> WorkerResult:
     return result
 
 
+START_FLOOR = 30.0  # seconds the start-up waits last at least, on one machine
+
+
+def startup_timeout(timeout: float) -> float:
+    """How long the waits before the first step last (seconds): `timeout` under torchrun, at
+    least START_FLOOR under ako's own launcher. Processes start, import torch, load data and
+    build models at their own pace, far apart on a loaded machine; the launcher sees at once a
+    process that dies meanwhile, so only a stopped or stuck one waits this long."""
+    return timeout if "TORCHELASTIC_RUN_ID" in os.environ else max(timeout, START_FLOOR)
+
+
 def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.Store) -> tuple[WorkerResult, bool]:
     data = job.load_data()
     job = job.resolved(data)
@@ -145,14 +164,14 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     replica = job.build_replica(data, device)
     job.validate(data, replica.numel)
     try:
-        runtime = DistributedRuntime(rank, world, config.timeout, device, strategy.survives_loss, n)
+        runtime = DistributedRuntime(rank, world, config.timeout, device, strategy.survives_loss, n, startup_timeout(config.timeout))
         liveness.record(store, rank)
         runtime.mailbox.whereabouts = partial(liveness.whereabouts, store)
         runtime.broadcast(replica.params)  # identical replicas, whatever the model factory did
     except (RuntimeError, dist.DistError) as e:
-        raise StartupFailed(f"the workers did not all get ready within {config.timeout:g} s: {comm_error(e)}") from None
+        raise StartupFailed(f"the workers did not all get ready within {startup_timeout(config.timeout):g} s: {comm_error(e)}") from None
     identity = job.identity(replica.numel)  # what checkpoints of this run must agree with
-    with _starting(config.timeout):
+    with _starting(runtime.limit):
         run_dir, point = _run_dir(job, data, rank, store, runtime, identity)
     log = open_log(run_dir, config) if rank == 0 else None
     saved = checkpoint.load(run_dir, point, rank) if point is not None else None
@@ -183,8 +202,9 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
             runtime.restore(saved)
         if log is not None:
             log.resume(state.resumed[1])
-    with _starting(config.timeout):
+    with _starting(runtime.limit):
         runtime.barrier()  # start the clocks together
+    runtime.started()
     if state is not None:
         runtime.clock.begin(state.resumed[1], state.resumed_wall)
     else:
@@ -219,21 +239,22 @@ END = signal.SIGUSR1  # from the launcher: the job failed elsewhere (JobEnded)
 
 @contextmanager
 def _endable():
-    """While training: `END` raises JobEnded here (in the main thread). Outside, it is
-    ignored: a rank already failing, or finished, goes on as it is."""
+    """While training: `END` raises JobEnded here (in the main thread). Outside, it has its
+    previous meaning (the launcher's processes ignore it): a rank already failing, or
+    finished, goes on as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def end(signum, frame):
-        signal.signal(END, signal.SIG_IGN)
+        signal.signal(END, signal.SIG_IGN)  # once
         raise JobEnded("the job was ended after another rank failed")
 
-    signal.signal(END, end)
+    previous = signal.signal(END, end)
     try:
         yield
     finally:
-        signal.signal(END, signal.SIG_IGN)
+        signal.signal(END, previous)
 
 
 class StartupFailed(RuntimeError):

@@ -85,16 +85,18 @@ class DistributedRuntime:
 
     def __init__(
         self, rank: int, world_size: int, timeout: float, device: torch.device, survives_loss: bool = False,
-        workers: int | None = None,
+        workers: int | None = None, startup: float | None = None,
     ):  # fmt: skip
         self.rank, self.world_size, self.timeout, self.device = rank, world_size, timeout, device
+        # collectives before the first step (`started`) may wait `startup` s: ranks load data and build models at their own pace
+        self.limit = max(timeout, startup or 0.0)
         self.survives_loss = survives_loss
         self.collective_bytes = 0  # as a ring all-reduce moves them: 2 (n-1)/n x bytes each way
         self.bytes_before = (0, 0)  # (sent, received) before a resumed run's checkpoint
         self.state: WorkerState | None = None
         self.clock = WallClock()
         self.checkpoints: checkpoint.Checkpoints | None = None  # with --checkpoint-every
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout))
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.limit))
         peers = [r for r in range(world_size) if r != rank]
         self.mailbox = Mailbox(rank, peers, group, timeout, self._stop_requested, self._checkpoint_called, workers)
 
@@ -228,7 +230,7 @@ class DistributedRuntime:
     def _wait(self, handle) -> torch.Tensor:
         work, tensor = handle
         try:
-            work.wait(timedelta(seconds=self.timeout))
+            work.wait(timedelta(seconds=self.limit))
         except RuntimeError as e:
             raise RuntimeError(f"all-reduce failed, a worker is gone or stuck: {comm_error(e)}") from None
         return tensor
@@ -239,8 +241,12 @@ class DistributedRuntime:
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Copy rank `src`'s `tensor` into every worker's, in place (deadline `timeout`)."""
-        dist.broadcast(tensor, src, async_op=True).wait(timedelta(seconds=self.timeout))
+        dist.broadcast(tensor, src, async_op=True).wait(timedelta(seconds=self.limit))
         return tensor
+
+    def started(self) -> None:
+        """Training begins: from now on every wait is bounded by `timeout`."""
+        self.limit = self.timeout
 
     def measure_step(self, repeats: int = 3) -> float:
         """Median seconds of forward+backward on one mini-batch (after one warm-up); the
