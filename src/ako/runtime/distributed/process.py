@@ -78,7 +78,7 @@ def _connect_store(host: str, port: int, world: int, timeout: float) -> dist.Sto
 
     thread = threading.Thread(target=connect, daemon=True)
     thread.start()
-    wait = 2 * timeout + 10  # the store's own retries first: their message says more
+    wait = timeout + 5  # the store's own retries (about `timeout`) first: their message says more
     thread.join(wait)
     if not result:
         raise RuntimeError(f"no answer from the store at {host}:{port} within {wait:.0f} s (is something else on that port?)")
