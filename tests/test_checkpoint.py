@@ -4,9 +4,11 @@ process starts."""
 
 from __future__ import annotations
 
+import json
 import pickle
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from helpers import small_config
@@ -26,9 +28,10 @@ def worker_state(numel: int) -> dict:
     return {
         "role": "worker",
         "params": torch.zeros(numel),
-        "optimizer": {"optimizer": {"state": {}, "param_groups": []}, "scheduler": None, "steps": 0},
+        "optimizer": {"optimizer": {"state": {}, "param_groups": [{"params": [0]}]}, "scheduler": None, "steps": 0},
         "worker": {"step": 7, "samples": 0, "taken": 0, "waiting": torch.zeros(0, dtype=torch.long),
-                   "waiting_since": torch.zeros(0, dtype=torch.long), "slowdown_rng": "{}",
+                   "waiting_since": torch.zeros(0, dtype=torch.long),
+                   "slowdown_rng": json.dumps(np.random.default_rng(0).bit_generator.state),
                    "torch_rng": torch.get_rng_state(), "seconds": 1.0, "wall": 1.0},
         "bytes": [0, 0],
     }  # fmt: skip
@@ -36,7 +39,7 @@ def worker_state(numel: int) -> dict:
 
 SERVER_STATE = {
     "role": "server",
-    "shard": {"params": torch.zeros(3), "optimizer": {"optimizer": {"state": {}, "param_groups": []}, "steps": 0},
+    "shard": {"params": torch.zeros(3), "optimizer": {"optimizer": {"state": {}, "param_groups": [{"params": [0]}]}, "steps": 0},
               "version": 7, "staleness_sum": 0, "staleness_count": 0, "staleness_max": 0},
     "bytes": [0, 0],
 }  # fmt: skip
@@ -200,6 +203,15 @@ def _damage(run_dir, how: str) -> None:
             state["optimizer"] = {}
         elif how == "params cut":
             state["params"] = state["params"][:5]
+        elif how == "step -5":
+            state["worker"]["step"] = -5
+        elif how == "two parameter groups":
+            groups = state["optimizer"]["optimizer"]["param_groups"]
+            groups.append(dict(groups[0]))
+        elif how == "torch rng cut":
+            state["worker"]["torch_rng"] = state["worker"]["torch_rng"][:7]
+        elif how == "another numpy rng":
+            state["worker"]["slowdown_rng"] = json.dumps({"bit_generator": "MT19937", "state": {}})
         torch.save(state, file)
 
 
@@ -212,6 +224,10 @@ def _damage(run_dir, how: str) -> None:
         ("step 'abc'", "damaged, its worker.step is 'abc' (str, not int)"),
         ("optimizer {}", "damaged, it has no optimizer.optimizer"),
         ("params cut", "damaged, its params are 5 numbers, not"),
+        ("step -5", "damaged, its worker.step is -5, negative"),
+        ("two parameter groups", "damaged, its optimizer has 2 parameter groups, not 1"),
+        ("torch rng cut", "damaged, its worker.torch_rng is not a state of torch's generator (7 torch.uint8 values)"),
+        ("another numpy rng", "damaged, its worker.slowdown_rng is not a state of NumPy's PCG64 generator"),
     ],
 )
 def test_damaged_contents_fall_back_to_the_newest_intact_checkpoint(tmp_path, capsys, how, why):
@@ -232,7 +248,7 @@ def test_damaged_contents_fall_back_to_the_newest_intact_checkpoint(tmp_path, ca
 def test_a_checkpoint_that_does_not_fit_the_optimizer_is_one_line(tmp_path):
     """Values of the right types that torch refuses (another number of parameter groups)."""
     replica = Job(small_config(tmp_path)).build_replica(Job(small_config(tmp_path)).load_data(), torch.device("cpu"))
-    state = worker_state(replica.numel)["optimizer"]
+    state = {**worker_state(replica.numel)["optimizer"], "optimizer": {"state": {}, "param_groups": []}}
     with pytest.raises(checkpoint.CheckpointError, match=r"^checkpoint 'f.pt': damaged, it does not fit this run \(ValueError: "):
         with checkpoint.restoring("f.pt"):
             replica.optimizer.load_state_dict(state)

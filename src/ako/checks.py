@@ -20,7 +20,7 @@ def show(value) -> str:
 def choice(what: str, value: str, allowed) -> None:
     """Raise ConfigError unless `value` is one of `allowed`."""
     if not isinstance(value, str) or value not in allowed:
-        raise ConfigError(f"unknown {what} {value!r}: choose one of {', '.join(allowed)}")
+        raise ConfigError(f"unknown {what} {value!r:.80}: choose one of {', '.join(allowed)}")
 
 
 def integer(name: str, value, low: int, high: int | None = None, hint: str = "") -> int:

@@ -137,7 +137,7 @@ def load(run_dir: str | os.PathLike, point: int, rank: int) -> dict:
     except Exception as e:  # whatever the bytes make torch's unpickler raise: the file is damaged
         raise DamagedCheckpoint(f"checkpoint {str(file)!r}: cannot read it ({_unreadable(e)})") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
-        raise DamagedCheckpoint(f"checkpoint {str(file)!r}: not an ako checkpoint (format {FORMAT})")
+        raise DamagedCheckpoint(f"checkpoint {str(file)!r}: not an ako checkpoint (a dict with format {FORMAT})")
     return state
 
 
@@ -149,7 +149,7 @@ def _unreadable(error: Exception) -> str:
         if text.strip().startswith("Unsupported global"):
             what = text.strip().split(" was not", 1)[0].removeprefix("Unsupported global: ").removeprefix("GLOBAL ")
             return f"it holds an object of {what}, not only tensors, numbers, strings, lists and dicts"
-    first = text.strip().splitlines()[0][:120] if text.strip() else ""
+    first = text.strip().splitlines()[0].split(". ")[0][:160] if text.strip() else ""
     return f"not a file of torch.save: {type(error).__name__}" + (f" {first}" if first else "")
 
 
@@ -190,6 +190,30 @@ def _misfit(value, layout, where: str = "") -> str | None:
     if isinstance(value, bool) or not isinstance(value, layout):
         wanted = " or ".join(t.__name__ for t in (layout if isinstance(layout, tuple) else (layout,)))
         return f"its {where} is {value!r:.40} ({type(value).__name__}, not {wanted})"
+    if layout in (int, (int, float)) and value < 0:  # steps, counts, seconds and bytes
+        return f"its {where} is {value!r}, negative"
+    return None
+
+
+def _misfit_values(state: dict, role: str) -> str | None:
+    """What `_LAYOUT`'s types leave open that a resume needs: one parameter group (the
+    replica's flat vector, or a server's shard), torch's and the straggler draws' RNG states
+    of this torch and NumPy."""
+    optimizer = state["optimizer"] if role == "worker" else state["shard"]["optimizer"]
+    groups = optimizer["optimizer"]["param_groups"]
+    if len(groups) != 1:
+        return f"its optimizer has {len(groups)} parameter groups, not 1"
+    if role == "server":
+        return None
+    rng = state["worker"]["torch_rng"]
+    if rng.dtype != torch.uint8 or rng.numel() != torch.get_rng_state().numel():
+        return f"its worker.torch_rng is not a state of torch's generator ({rng.numel()} {rng.dtype} values)"
+    try:
+        draws = json.loads(state["worker"]["slowdown_rng"])
+    except ValueError:
+        draws = None
+    if not (isinstance(draws, dict) and draws.get("bit_generator") == "PCG64"):
+        return "its worker.slowdown_rng is not a state of NumPy's PCG64 generator"
     return None
 
 
@@ -208,7 +232,7 @@ def check(state: dict, expected: dict, file: str, contents: bool = False) -> Non
                 "resume with the settings it was written with"
             )
     if contents:
-        why = _misfit(state, _LAYOUT[role])
+        why = _misfit(state, _LAYOUT[role]) or _misfit_values(state, role)
         if why is None and role == "worker" and state["params"].numel() != expected.get("numel", state["params"].numel()):
             why = f"its params are {state['params'].numel()} numbers, not {expected['numel']}"
         if why is not None:

@@ -27,6 +27,7 @@ from ako.data import DataError
 from ako.run.outcome import WorkerResult
 from ako.runtime.distributed import quiet
 from ako.runtime.distributed.liveness import is_stopped
+from ako.runtime.distributed.mailbox import comm_error
 from ako.runtime.distributed.process import END, JobEnded, StartupFailed, run_rank
 from ako.run.job import Job
 from ako.strategies.ops import PeerLost
@@ -329,6 +330,9 @@ def _exit_status(code: int) -> str:
 
 
 def one_line(e: BaseException) -> str:
-    """The first line of an error's message, at most 300 characters."""
+    """The first line of an error's message, at most 300 characters (a communication
+    error's without Gloo's source location and advice)."""
+    if str(e).startswith("["):  # Gloo's "[.../pair.cc:553] Connection closed by peer ..."
+        return comm_error(e)
     lines = str(e).strip().splitlines()
     return (lines[0] if lines else type(e).__name__)[:300]
