@@ -82,3 +82,11 @@ class Number:
 
     def __call__(self, value, config=None):
         return number(self.name, value, self.low, self.high)
+
+
+def misfit(what: str, error: Exception) -> ConfigError:
+    """ConfigError for saved state `what` (a checkpoint file or a shard) that torch refuses to
+    load: the error's type and the first line of its message."""
+    text = str(error).strip()
+    why = text.splitlines()[0][:160] if text else ""
+    return ConfigError(f"{what}: damaged, it does not fit this run ({type(error).__name__}: {why})")

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from ako.checks import misfit
 from ako.config import ConfigError
 from ako.strategies.tags import CHECKPOINT
 
@@ -247,8 +248,7 @@ def restoring(file: str):
     try:
         yield
     except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
-        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
-        raise CheckpointError(f"checkpoint {file!r}: damaged, it does not fit this run ({type(e).__name__}: {why})") from None
+        raise CheckpointError(str(misfit(f"checkpoint {file!r}", e))) from None
 
 
 def check_unfinished(config) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ako.checks import ConfigError, Integer
+from ako.checks import ConfigError, Integer, misfit
 from ako.strategies.base import Option
 from ako.strategies.ops import Recv, Send
 from ako.strategies.partition import partition_bounds
@@ -149,8 +149,7 @@ class Shard:
             for key in ("version", "staleness_sum", "staleness_count", "staleness_max"):
                 setattr(self, key, int(state[key]))
         except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
-            why = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
-            raise ConfigError(f"checkpoint of the shard [{self.lo}, {self.hi}): it does not fit this run ({type(e).__name__}: {why})") from None
+            raise misfit(f"checkpoint of the shard [{self.lo}, {self.hi})", e) from None
         self.resumed = self.version
 
     def facts(self) -> dict:
