@@ -17,6 +17,7 @@ from ako.cli import main
 from ako.models import build_model
 from ako.config import TrainConfig
 from ako.runtime.simulated.costs import Costs, SharedHost
+from ako.strategies import STRATEGIES
 from ako.strategies.partition import partition_bounds
 from helpers import make_replica, single_process_sgd, small_config
 
@@ -248,3 +249,73 @@ def test_calibrate_makes_the_profile_s_directory_or_says_why_not(tmp_path, capsy
     assert tomllib.loads(out.read_text())["seconds_per_sample"] > 0
     assert main(["calibrate", "--model", "cnn", "--dataset", "digits", "--out", "/dev/null/x/p.toml"]) == 2
     assert capsys.readouterr().err.strip().endswith("cannot make its directory (Not a directory)")
+
+
+# ---- gradients computed together (runtime/simulated/gradients.py) ----------------------------
+
+
+class _UsersNet(torch.nn.Module):
+    """A user's model with a loss of their own (below): two layers and a tanh."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 20), torch.nn.Linear(20, 10)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x.flatten(1))))
+
+
+def _users_loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.multi_margin_loss(model(x), y)
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn", "resnet", "user's"])
+def test_gradients_computed_together_equal_one_at_a_time(model):
+    """Four replicas, each with its own parameters and mini-batch of two micro-batches, filed
+    and computed on two threads: every gradient and loss equals, bit for bit, the one computed
+    alone on this thread."""
+    from ako.runtime.simulated.gradients import Gradients
+
+    config = TrainConfig(dataset="digits", model="cnn")
+    make = (lambda: _UsersNet()) if model == "user's" else (lambda: build_model(model, (1, 8, 8), 10))
+    replicas = []
+    for i in range(4):
+        torch.manual_seed(i)
+        replica = make_replica(make(), config)
+        replica.loss_fn = _users_loss if model == "user's" else replica.loss_fn
+        replicas.append(replica)
+    generator = torch.Generator().manual_seed(0)
+    batches = [[(torch.randn(8, 1, 8, 8, generator=generator), torch.randint(0, 10, (8,), generator=generator))
+                for _ in range(2)] for _ in replicas]  # fmt: skip
+    alone = []
+    for replica, batch in zip(replicas, batches):
+        loss = replica.compute_gradient(batch)
+        alone.append((loss, replica.grad.clone()))
+        replica.grad.fill_(float("nan"))
+    together = Gradients(threads=2)
+    filed = [together.file(replica, batch) for replica, batch in zip(replicas, batches)]
+    losses = [together.take(entry) for entry in reversed(filed)][::-1]  # the last one's take computes all
+    together.close()
+    for (loss, grad), replica, got in zip(alone, replicas, losses):
+        assert got == loss and torch.equal(replica.grad, grad)
+    assert together.seconds > 0
+
+
+@pytest.mark.parametrize("strategy", ["absp", "ako", "allreduce", "asp", "bsp", "easgd", "gossip", "ssp"])
+def test_one_or_two_threads_give_the_same_run(tmp_path, strategy):
+    """A whole short simulated run (a straggler, a costed network) with torch's one thread and
+    with two (gradients two at a time): the same replicas bit for bit, the same summary."""
+    servers = {"servers": 1} if STRATEGIES[strategy].server is not None else {}
+    config = dict(strategy=strategy, workers=3, straggler=("rank=1,factor=2",), **COSTS, **servers)
+    one = simulate(tmp_path, **config)
+    torch.set_num_threads(2)
+    try:
+        two = simulate(tmp_path, **config)
+    finally:
+        torch.set_num_threads(1)
+    for a, b in zip(one.workers, two.workers):
+        assert torch.equal(a.params, b.params)
+    drop = ("run_dir", "wall_seconds", "simulation")
+    assert {k: v for k, v in one.summary.items() if k not in drop} == {k: v for k, v in two.summary.items() if k not in drop}
+    assert virtual(one) == virtual(two)

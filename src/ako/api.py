@@ -208,7 +208,7 @@ def simulate(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set:
     job.config = replace(config, seconds_per_sample=sps)
     bandwidth = config.bandwidth_bytes
     costs = Costs(sps, math.inf if bandwidth is None else bandwidth, config.latency_seconds, shared)
-    summary, workers = simulate_job(job, costs)
+    summary, workers = simulate_job(job, costs, data)
     return RunResult(summary, workers)
 
 

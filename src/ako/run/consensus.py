@@ -23,29 +23,34 @@ points with equal weights (the weights are the strategy's own).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
 
-def consensus_distance(replicas: torch.Tensor, weights: list[float] | None = None) -> tuple[float, torch.Tensor]:
+def consensus_distance(replicas: Sequence[torch.Tensor], weights: list[float] | None = None) -> tuple[float, torch.Tensor]:
     """Mean L2 distance of the replicas to their average, relative to the average's norm:
     (1/k) sum_i ||w_i - w_avg|| / ||w_avg||, with w_avg the mean of the replicas (weighted by
     `weights`, k floats > 0 in total, when given).
 
-    replicas: (k, numel), k >= 1. Returns (distance, a dimensionless float >= 0, NaN when
-    the average is all zeros; w_avg (numel,), in the replicas' dtype). Computed in float64,
-    so that identical replicas are at distance exactly 0. Raises ValueError when the weights
-    sum to 0."""
-    k = replicas.shape[0]
-    w = torch.ones(k, dtype=torch.float64) if weights is None else torch.tensor(weights, dtype=torch.float64)
-    if not w.sum() > 0:
+    replicas: k >= 1 tensors of shape (numel,) on one device (or a (k, numel) tensor). Returns
+    (distance, a dimensionless float >= 0, NaN when the average is all zeros; w_avg (numel,),
+    in the replicas' dtype). Computed in float64 one replica at a time (no (k, numel) float64
+    copy: at 64 replicas of the cnn that copy cost more than the rest), so that identical
+    replicas are at distance exactly 0. Raises ValueError when the weights sum to 0."""
+    k = len(replicas)
+    w = [1.0] * k if weights is None else [float(x) for x in weights]
+    total = sum(w)
+    if not total > 0:
         raise ValueError(f"weights {weights}: must sum to more than 0")
-    exact = replicas.double()
-    average = (w.to(exact.device) @ exact) / w.sum().item()
-    norm = average.norm().item()
-    spread = (exact - average).norm(dim=1).mean().item()
-    return (spread / norm if norm > 0 else float("nan")), average.to(replicas.dtype)
+    average = torch.zeros(replicas[0].shape, dtype=torch.float64, device=replicas[0].device)
+    for wi, replica in zip(w, replicas):
+        average.add_(replica, alpha=wi)
+    average.div_(total)
+    norm = torch.linalg.vector_norm(average).item()
+    spread = sum(torch.linalg.vector_norm(torch.sub(replica, average)).item() for replica in replicas) / k
+    return (spread / norm if norm > 0 else float("nan")), average.to(replicas[0].dtype)
 
 
 class ReplicaExchange(Protocol):

@@ -85,8 +85,7 @@ class Evaluator:
     def consensus_record(self, replicas: list[torch.Tensor], weights: list[float] | None = None) -> dict:
         """How many replicas, their consensus distance, and the test loss and accuracy of their
         (weighted) average: the fields the records add where replicas differ."""
-        stacked = torch.stack([r.to(self.replica.params.device) for r in replicas])
-        distance, average = consensus_distance(stacked, weights)
+        distance, average = consensus_distance([r.to(self.replica.params.device) for r in replicas], weights)
         metrics = self.replica.evaluate_params(average, self.test_set)
         return {"replicas": len(replicas), "consensus_distance": float(f"{distance:.4g}"), **prefixed("average", metrics)}
 

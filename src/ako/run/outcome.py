@@ -162,8 +162,7 @@ def handed_back(summary: dict, facts: dict, state: WorkerState, finals, reports)
         return chosen, state.replica.params  # the flush made every replica the same
     if finals:
         weights = [float(r.get("average_weight", 1.0)) for r in reports if r["role"] == "worker"]
-        stacked = torch.stack([r.to(state.replica.params.device) for r in finals])
-        return "the replicas' average", consensus_distance(stacked, weights)[1]
+        return "the replicas' average", consensus_distance([r.to(state.replica.params.device) for r in finals], weights)[1]
     return "rank 0's replica", state.replica.params
 
 

@@ -2,8 +2,9 @@
 
 Every rank (worker or server) is one SimPy process that drives its strategy program, carrying
 out the operations of `ako.strategies.ops` as the distributed runtime does, with real tensors:
-- `Compute` takes the next mini-batch and computes the real gradient at once, with the
-  replica's parameters as they are at that virtual moment, then holds the worker for the cost
+- `Compute` takes the next mini-batch, files the real gradient with the replica's parameters
+  as they are at that virtual moment (`Gradients` computes every filed one together, on
+  torch's thread count of threads, when the first is due), and holds the worker for the cost
   model's compute time (samples x seconds per sample x straggler factor, `costs.Costs`; on a
   shared host, its share of the cores, `costs.SharedHost`).
   `ComputePartial` does the same micro-batch by micro-batch, checking for the stop message
@@ -34,6 +35,7 @@ import torch
 
 from ako.runtime.base import compute, compute_partial, drive
 from ako.runtime.simulated.costs import Costs, Network, SharedHost
+from ako.runtime.simulated.gradients import Gradients
 from ako.run.outcome import rank_report
 from ako.run.worker import WorkerState
 from ako.strategies import ops
@@ -129,16 +131,21 @@ class _Collective:
 
 class SimulatedRuntime:
     """Carries out every rank's operations on one SimPy environment. Ranks below `workers` are
-    workers, the rest servers. `batch_size` is what `MeasureStep` prices. `forward_backward`
-    tallies the real seconds spent computing gradients."""
+    workers, the rest servers. `batch_size` is what `MeasureStep` prices. The workers'
+    gradients are computed `threads` at a time (`Gradients`)."""
 
-    def __init__(self, env: simpy.Environment, costs: Costs, world: int, workers: int, batch_size: int):
+    def __init__(self, env: simpy.Environment, costs: Costs, world: int, workers: int, batch_size: int, threads: int = 1):
         self.env, self.costs, self.workers, self.batch_size = env, costs, workers, batch_size
+        self.gradients = Gradients(threads)
         self.network = Network(costs, world)
         self.host = SharedHost(env, costs) if costs.shared else None
         self.nodes = [Node(rank, SimClock(env)) for rank in range(world)]
         self.collectives: dict[int, _Collective] = {}  # by sequence number, until every worker is in
-        self.forward_backward = 0.0
+
+    @property
+    def forward_backward(self) -> float:
+        """Real seconds spent computing the workers' gradients."""
+        return self.gradients.seconds
 
     def start(self, rank: int, program, ctx) -> None:
         """Start rank `rank`'s program `program(ctx)` as a SimPy process."""
@@ -188,13 +195,12 @@ class SimulatedRuntime:
         raise TypeError(f"unknown operation {op!r}")
 
     def _gradient(self, node: Node, batches: list, samples: int, slow: float):
-        """Real gradient of one step's micro-batches now, into `node`'s replica; then hold
-        `node` for the modelled compute time of `samples` samples. Returns the loss."""
-        t = time.perf_counter()
-        loss = node.state.replica.compute_gradient(batches)
-        self.forward_backward += time.perf_counter() - t
+        """File the real gradient of one step's micro-batches into `node`'s replica (computed
+        with every other one filed when the first is due, `Gradients`), and hold `node` for the
+        modelled compute time of `samples` samples. Returns the loss."""
+        filed = self.gradients.file(node.state.replica, batches)
         yield from self._busy(node, samples, slow)
-        return loss
+        return self.gradients.take(filed)
 
     def _busy(self, node: Node, samples: int, slow: float):
         """Hold `node` for the compute time of `samples` samples at straggler factor `slow`."""
@@ -301,7 +307,10 @@ class SimulatedRuntime:
     def run(self) -> None:
         """Run the simulation until every program has ended. Raises RuntimeError when some
         wait for ever (a deadlock: no events left)."""
-        self.env.run()
+        try:
+            self.env.run()
+        finally:
+            self.gradients.close()
         stuck = [n for n in self.nodes if n.facts is None]
         if stuck:
             what = ", ".join(

@@ -13,7 +13,7 @@ import time
 import simpy
 import torch
 
-from ako.run.job import Job
+from ako.run.job import Data, Job
 from ako.run.outcome import WorkerResult, final_summary, open_log, open_run_dir, publish
 from ako.run.worker import WorkerState
 from ako.runtime.simulated.costs import Costs
@@ -22,14 +22,14 @@ from ako.runtime.simulated.runtime import SimulatedRuntime
 from ako.strategies import ServerContext, WorkerContext
 
 
-def simulate_job(job: Job, costs: Costs) -> tuple[dict, list[WorkerResult]]:
+def simulate_job(job: Job, costs: Costs, data: Data | None = None) -> tuple[dict, list[WorkerResult]]:
     """Run `job` on a simulated cluster of `job.config.workers` workers (and `servers`), costed
-    by `costs`. Writes the run directory and prints the summary as `ako train` does, with time
+    by `costs`, on `data` (default: `job.load_data()`; `job.check()` has loaded it already). Writes the run directory and prints the summary as `ako train` does, with time
     in virtual seconds, plus the simulator's own figures (`simulation` in the summary).
     Returns (summary, one WorkerResult per worker, by rank). Raises ConfigError or DataError
     for bad input and RuntimeError when the strategy deadlocks."""
     started = time.perf_counter()
-    data = job.load_data()
+    data = job.load_data() if data is None else data
     job = job.resolved(data)
     config, strategy = job.config, job.strategy
     n, world = config.workers, config.workers + (config.servers or 0)
@@ -37,7 +37,7 @@ def simulate_job(job: Job, costs: Costs) -> tuple[dict, list[WorkerResult]]:
     replicas = [job.build_replica(data, cpu) for _ in range(world)]
     job.validate(data, replicas[0].numel)
     env = simpy.Environment()
-    runtime = SimulatedRuntime(env, costs, world, n, config.step_samples)
+    runtime = SimulatedRuntime(env, costs, world, n, config.step_samples, threads=torch.get_num_threads())
     run_dir = open_run_dir(config, strategy.name, data)
     servers = list(range(n, world))
     copies: dict = {}  # the replicas' copies at evaluation points, for the consensus distance
