@@ -319,3 +319,28 @@ def test_one_or_two_threads_give_the_same_run(tmp_path, strategy):
     drop = ("run_dir", "wall_seconds", "simulation")
     assert {k: v for k, v in one.summary.items() if k not in drop} == {k: v for k, v in two.summary.items() if k not in drop}
     assert virtual(one) == virtual(two)
+
+
+@pytest.mark.parametrize("strategy", ["absp", "ako", "allreduce", "easgd", "gossip"])
+def test_the_saved_model_scores_what_the_summary_says(tmp_path, strategy):
+    """model.pt's test metrics in the summary (known from the run's own evaluations, not
+    evaluated again) are those of the saved parameters, evaluated afresh."""
+    from ako.data import load_dataset
+
+    servers = {"servers": 1} if STRATEGIES[strategy].server is not None else {}
+    result = simulate(tmp_path, strategy=strategy, workers=3, **COSTS, **servers)
+    saved = result.summary["saved_model"]
+    model = ako.load_model(result.summary["run_dir"])
+    test_set = load_dataset("digits", train_samples=384, test_samples=60).test
+    metrics = make_replica(model, small_config(tmp_path)).evaluate(test_set)
+    assert {f"test_{k}": round(v, 5) for k, v in metrics.items()} == {k: v for k, v in saved.items() if k.startswith("test_")}
+    assert saved["source"] == {"ako": "the replicas after the flush", "easgd": "the centre variable",
+                               "gossip": "the replicas' average"}.get(strategy, "rank 0's replica")  # fmt: skip
+
+
+def test_the_progress_bar_counts_every_worker_s_steps_in_virtual_time(tmp_path, capsys):
+    """asp with a straggler 3x slower: the bar's count is both workers' steps (6 each), not
+    rank 0's, and it shows the virtual seconds and their rate in virtual seconds per real one."""
+    result = simulate(tmp_path, strategy="asp", servers=1, straggler=("rank=1,factor=3",), progress=True, **COSTS)
+    bar = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "12/12" in bar and f"virtual={result.summary['simulation']['virtual_seconds']:.3g} s" in bar and "virtual/real=" in bar

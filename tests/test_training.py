@@ -8,10 +8,12 @@ import subprocess
 import sys
 import tomllib
 
+import pytest
 import torch
 
 import ako
 from ako.data import load_dataset
+from ako.models import MaxPool2d
 from helpers import DigitsAsList, digits_cnn, small_config
 
 
@@ -81,3 +83,22 @@ def test_torchrun_gives_the_ranks(tmp_path):
     assert summary["workers"] == 2
     assert [w["rank"] for w in summary["per_worker"]] == [0, 1]
     assert proc.stdout.count("test accuracy") == 1  # rank 0 prints the summary
+
+
+@pytest.mark.parametrize("values", ["ties", "nan", "random"])
+def test_the_cnn_s_max_pooling_is_nn_maxpool2d_bit_for_bit(values):
+    """`ako.models.MaxPool2d` (channels-last on the CPU) against nn.MaxPool2d: the same output
+    and the same input gradient, with many ties (small integers), with NaNs, and at random."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randint(-2, 3, (4, 16, 10, 12), generator=generator).float()
+    if values == "nan":
+        x[0, 0, 0, 1] = x[1, 3, 5, 5] = float("nan")
+    elif values == "random":
+        x = torch.randn(4, 16, 10, 12, generator=generator)
+    grad = torch.randn(4, 16, 5, 6, generator=generator)
+    ours, theirs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    a, b = MaxPool2d(2)(ours), torch.nn.MaxPool2d(2)(theirs)
+    a.backward(grad)
+    b.backward(grad)
+    assert torch.equal(a, b) or (values == "nan" and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)))
+    assert torch.equal(ours.grad, theirs.grad)

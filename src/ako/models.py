@@ -41,6 +41,40 @@ def _flat_size(features: nn.Module, input_shape: tuple[int, int, int]) -> int:
         return features(torch.zeros(1, *input_shape)).shape[1]
 
 
+class _ChannelsLastMax(torch.autograd.Function):
+    """2-D max pooling (kernel = stride = k, no padding) of x (B, C, H, W), computed in the
+    channels-last layout, whose CPU kernel is vectorised over channels (about 5x faster than the
+    NCHW one, which took a third of the cnn's forward and backward); the backward is the NCHW
+    kernel's, with the same indices. Bit for bit nn.MaxPool2d (ties and NaN included:
+    tests/test_training.py)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, k: int) -> torch.Tensor:
+        out, indices = torch.ops.aten.max_pool2d_with_indices(x.contiguous(memory_format=torch.channels_last), [k, k], [k, k])
+        ctx.save_for_backward(x, indices.contiguous())
+        ctx.k = k
+        return out.contiguous()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        x, indices = ctx.saved_tensors
+        k = [ctx.k, ctx.k]
+        return torch.ops.aten.max_pool2d_with_indices_backward(grad.contiguous(), x, k, k, [0, 0], [1, 1], False, indices), None
+
+
+class MaxPool2d(nn.MaxPool2d):
+    """nn.MaxPool2d(k), with `_ChannelsLastMax` on the CPU; the same results, faster."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dim() == 4:
+            return _ChannelsLastMax.apply(x, self.kernel_size)
+        return super().forward(x)
+
+
 @register("mlp")
 def mlp(input_shape: tuple[int, int, int], num_classes: int, hidden: int = 256) -> nn.Module:
     """Two hidden layers of `hidden` units with ReLU (235,146 parameters at 1x28x28 with 10 classes)."""
@@ -62,10 +96,10 @@ def cnn(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
     features = nn.Sequential(
         nn.Conv2d(input_shape[0], 16, 3, padding=1),
         nn.ReLU(),
-        nn.MaxPool2d(2),
+        MaxPool2d(2),
         nn.Conv2d(16, 32, 3, padding=1),
         nn.ReLU(),
-        nn.MaxPool2d(2),
+        MaxPool2d(2),
         nn.Flatten(),
     )
     return nn.Sequential(

@@ -118,8 +118,8 @@ the lost ranks (`Mailbox.losses`). `resumed`: the step of the checkpoint the run
         summary.update(prefixed("centre", centre))
     if facts.get("unflushed") is not None:
         summary["final_model"] = final_model(state, facts["unflushed"], final, data.test)
-    source, model = handed_back(summary, facts, state, finals, reports)
-    summary["saved_model"] = save_model(run_dir, state.replica, model, source, data)
+    source, model, measured = handed_back(summary, facts, state, finals, reports, final, end)
+    summary["saved_model"] = save_model(run_dir, state.replica, model, source, data, measured)
     state.evaluator.log.close()
     summary.update(data_use(job, data))
     summary["lost_ranks"] = [loss["rank"] for loss in lost]
@@ -149,34 +149,42 @@ def _better(a, b, higher: bool) -> bool:
     return not ok(b) or (a > b if higher else a < b)
 
 
-def handed_back(summary: dict, facts: dict, state: WorkerState, finals, reports) -> tuple[str, torch.Tensor]:
-    """The model the run hands back (numel,) and what it is: easgd's centre variable; under
-    ako the flushed replicas or rank 0's replica before the flush, whichever tests better
-    (`final_model`); the replicas' average where they differ (gossip); else rank 0's replica."""
+def handed_back(summary: dict, facts: dict, state: WorkerState, finals, reports, final: dict,
+                end: dict) -> tuple[str, torch.Tensor, dict]:  # fmt: skip
+    """The model the run hands back (numel,), what it is, and its test metrics as measured
+    already (test_<metric> fields): easgd's centre variable; under ako the flushed replicas or
+    rank 0's replica before the flush, whichever tests better (`final_model`); the replicas'
+    average where they differ (gossip, `end`: its consensus record); else rank 0's replica
+    (`final`: its final record)."""
+    def fields(record: dict, prefix: str) -> dict:
+        return {f"test_{k.removeprefix(prefix)}": v for k, v in record.items() if k.startswith(prefix)}
+
     if facts.get("centre") is not None:
-        return "the centre variable", facts["centre"]
+        return "the centre variable", facts["centre"], fields(summary, "centre_")
     chosen = summary.get("final_model", {}).get("source")
     if chosen == "rank 0's replica before the flush":
-        return chosen, torch.as_tensor(facts["unflushed"])
+        return chosen, torch.as_tensor(facts["unflushed"]), fields(summary["final_model"], "unflushed_")
     if chosen is not None:
-        return chosen, state.replica.params  # the flush made every replica the same
+        return chosen, state.replica.params, fields(final, "test_")  # the flush made every replica the same
     if finals:
         weights = [float(r.get("average_weight", 1.0)) for r in reports if r["role"] == "worker"]
-        return "the replicas' average", consensus_distance([r.to(state.replica.params.device) for r in finals], weights)[1]
-    return "rank 0's replica", state.replica.params
+        average = consensus_distance([r.to(state.replica.params.device) for r in finals], weights)[1]
+        return "the replicas' average", average, fields(end, "average_")
+    return "rank 0's replica", state.replica.params, fields(final, "test_")
 
 
-def save_model(run_dir: Path, replica, params: torch.Tensor, source: str, data) -> dict:
+def save_model(run_dir: Path, replica, params: torch.Tensor, source: str, data, measured: dict | None = None) -> dict:
     """Write `run_dir`/model.pt, a plain `state_dict` of the user's module with `params`
     (numel,) as its parameters and rank 0's buffers (BatchNorm statistics: each replica keeps
     its own, as DDP with broadcast_buffers=False; rank 0's are the ones evaluated), atomically.
-    Returns the summary's `saved_model`: the file, its source, its test metrics, and what
-    `ako.load_model` needs to rebuild a built-in model."""
+    Returns the summary's `saved_model`: the file, its source, its test metrics (`measured`,
+    test_<metric> fields, when the run has evaluated these parameters already; else evaluated
+    here), and what `ako.load_model` needs to rebuild a built-in model."""
     own = replica.params.clone()
     replica.params.copy_(params)
     try:
         state = {k: v.detach().cpu().clone() for k, v in replica.model.state_dict().items()}
-        metrics = replica.evaluate(data.test)
+        metrics = measured or prefixed("test", replica.evaluate(data.test))
     finally:
         replica.params.copy_(own)
     path = run_dir / MODEL_FILE
@@ -184,7 +192,7 @@ def save_model(run_dir: Path, replica, params: torch.Tensor, source: str, data) 
     torch.save(state, tmp)
     os.replace(tmp, path)
     shape = None if data.input_shape is None else list(data.input_shape)
-    saved = {"file": MODEL_FILE, "source": source, **prefixed("test", metrics), "input_shape": shape,
+    saved = {"file": MODEL_FILE, "source": source, **metrics, "input_shape": shape,
              "num_classes": data.num_classes}  # fmt: skip
     if data.standardisation is not None:  # what a user must do to raw pixels to feed this model
         saved["pixel_mean"], saved["pixel_std"] = (round(v, 6) for v in data.standardisation)

@@ -36,6 +36,7 @@ import torch
 from ako.runtime.base import compute, compute_partial, drive
 from ako.runtime.simulated.costs import Costs, Network, SharedHost
 from ako.runtime.simulated.gradients import Gradients
+from ako.runtime.simulated.progress import Progress
 from ako.run.outcome import rank_report
 from ako.run.worker import WorkerState
 from ako.strategies import ops
@@ -137,6 +138,7 @@ class SimulatedRuntime:
     def __init__(self, env: simpy.Environment, costs: Costs, world: int, workers: int, batch_size: int, threads: int = 1):
         self.env, self.costs, self.workers, self.batch_size = env, costs, workers, batch_size
         self.gradients = Gradients(threads)
+        self.progress: Progress | None = None  # the progress bar, counting every worker's steps
         self.network = Network(costs, world)
         self.host = SharedHost(env, costs) if costs.shared else None
         self.nodes = [Node(rank, SimClock(env)) for rank in range(world)]
@@ -160,12 +162,13 @@ class SimulatedRuntime:
         its result. Operations that take no virtual time return without yielding."""
         match op:
             case ops.Compute():
-                return (yield from compute(node.state, lambda batches, samples, slow: self._gradient(node, batches, samples, slow)))
+                gradient = yield from compute(node.state, lambda batches, samples, slow: self._gradient(node, batches, samples, slow))
+                return self._stepped(gradient)
             case ops.ComputePartial(micro_batch, stop_tag, iteration):
-                return (yield from compute_partial(
+                return self._stepped((yield from compute_partial(
                     node.state, lambda batches, samples, slow: self._gradient(node, batches, samples, slow),
                     lambda tag, it: any(m.step == it for m in node.take_all(tag)), micro_batch, stop_tag, iteration,
-                ))  # fmt: skip
+                )))  # fmt: skip
             case ops.Send(tensor, dst, tag, step, aux):
                 self.send(node.rank, dst, ops.Message(node.rank, tag, step, aux, tensor))
                 return None
@@ -193,6 +196,11 @@ class SimulatedRuntime:
             case ops.MeasureBandwidth():
                 return self.costs.bandwidth
         raise TypeError(f"unknown operation {op!r}")
+
+    def _stepped(self, gradient):
+        if self.progress is not None:
+            self.progress.step()
+        return gradient
 
     def _gradient(self, node: Node, batches: list, samples: int, slow: float):
         """File the real gradient of one step's micro-batches into `node`'s replica (computed

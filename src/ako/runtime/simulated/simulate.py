@@ -17,6 +17,7 @@ from ako.run.job import Data, Job
 from ako.run.outcome import WorkerResult, final_summary, open_log, open_run_dir, publish
 from ako.run.worker import WorkerState
 from ako.runtime.simulated.costs import Costs
+from ako.runtime.simulated.progress import Progress
 from ako.runtime.simulated.replicas import SharedReplicas
 from ako.runtime.simulated.runtime import SimulatedRuntime
 from ako.strategies import ServerContext, WorkerContext
@@ -49,11 +50,18 @@ def simulate_job(job: Job, costs: Costs, data: Data | None = None) -> tuple[dict
                 config=config, rank=rank, world_size=n, replica=replica, train_set=data.train, test_set=data.test,
                 clock=node.clock, traffic=lambda r=rank: runtime.traffic(r), on_target=lambda r=rank: runtime.request_stop(r),
                 log=log, consensus=SharedReplicas(copies, rank, n) if strategy.replicas_differ else None,
+                progress_bar=False,
             )  # fmt: skip
             runtime.start(rank, strategy.worker, WorkerContext(rank, n, replica, config, node.state.should_stop, servers))
         else:
             runtime.start(rank, strategy.server, ServerContext(rank, rank - n, servers, list(range(n)), replica, config))
-    runtime.run()
+    rank0 = runtime.nodes[0].state
+    runtime.progress = Progress(env, rank0.planned_steps * n, config.progress,
+                                lambda: rank0.evaluator.log.records[-1] if rank0.evaluator.log.records else None)  # fmt: skip
+    try:
+        runtime.run()
+    finally:
+        runtime.progress.close()
     end = env.now
     reports = [runtime.node_report(rank, end) for rank in range(world)]
     facts = runtime.nodes[0].facts

@@ -1,0 +1,53 @@
+"""The simulation's progress bar: every worker's steps out of the steps planned (the epochs of
+every worker), the virtual seconds simulated, their rate in virtual seconds per real second,
+rank 0's last test accuracy, and tqdm's estimate of the real time left.
+
+Counting every worker's steps, not rank 0's, keeps the estimate true where the workers do not
+keep together: with asynchronous strategies or a straggler the run ends when the slowest
+worker does. A run that stops at a target accuracy or a time budget ends early: the estimate
+is then an upper bound.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import simpy
+from tqdm import tqdm
+
+_REFRESH = 0.25  # real seconds between two updates of the figures after the bar
+
+
+class Progress:
+    """A tqdm bar of `total` worker steps for a simulation on `env`. `shown`: True, False, or
+    None (only on a terminal). `last_metrics()` gives rank 0's last evaluation record, or None."""
+
+    def __init__(self, env: simpy.Environment, total: int, shown: bool | None, last_metrics: Callable[[], dict | None]):
+        self.env, self.last_metrics = env, last_metrics
+        self.bar = tqdm(total=total, unit="step", disable=None if shown is None else not shown, dynamic_ncols=True)
+        self.started = self.shown_at = time.perf_counter()
+
+    def step(self) -> None:
+        """One worker finished one step."""
+        self.bar.update()
+        now = time.perf_counter()
+        if now - self.shown_at >= _REFRESH and not self.bar.disable:
+            self.shown_at = now
+            self.bar.set_postfix(self.figures(now - self.started), refresh=False)
+
+    def figures(self, real: float) -> dict:
+        """What the bar shows after the count: virtual seconds, virtual seconds per real
+        second, and rank 0's last logged test accuracy (or its first metric), with its epoch."""
+        shown = {"virtual": f"{self.env.now:.3g} s", "virtual/real": f"{self.env.now / max(real, 1e-9):.3g}"}
+        record = self.last_metrics() or {}
+        metric = "test_accuracy" if "test_accuracy" in record else next((k for k in record if k.startswith("test_")), None)
+        if metric is not None:
+            shown[metric.removeprefix("test_")[:8]] = f"{record[metric]:.4f} at epoch {record.get('epoch', 0):.2f}"
+        return shown
+
+    def close(self) -> None:
+        """The final figures, and the bar ends."""
+        if not self.bar.disable:
+            self.bar.set_postfix(self.figures(time.perf_counter() - self.started), refresh=False)
+        self.bar.close()
