@@ -4,6 +4,7 @@ cells, and reports the expected files and rows; the report's aggregates on hand-
 from __future__ import annotations
 
 import json
+import os
 import re
 import textwrap
 
@@ -277,8 +278,8 @@ def test_an_interrupted_sweep_stops_its_cells_and_resumes(tmp_path):
     sweep.terminate()
     assert sweep.wait(timeout=20) == 130
     assert "interrupted; run the same command again" in sweep.stderr.read()
-    left = subprocess.run(["pgrep", "-f", str(slow.parent)], capture_output=True, text=True).stdout
-    assert left == "", f"the cell's run is still going: {left}"
+    left = subprocess.run(["pgrep", "-f", "ako.experiments.cell_process"], capture_output=True, text=True).stdout
+    assert left == "", f"the cell's process is still going: {left}"
     finished_before = summaries(out)
     assert list(finished_before) == ["arm=allreduce,workers=2"]
     file.write_text(file.read_text().replace("epochs = 100\n", ""))  # now the slow cell is quick
@@ -324,3 +325,60 @@ def test_a_report_where_nothing_reached_the_target(tmp_path):
     text = write_report(sweep_dir).read_text()
     assert text.count("not reached (0/1)") == 4
     assert (sweep_dir / "report" / "time-to-accuracy-vs-workers.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_cell_run_after_another_in_one_process_equals_a_fresh_run(tmp_path):
+    """One job slot runs both cells in one long-lived process: the second cell's summary and
+    model.pt are those of `ako simulate --config cell.toml` in a fresh process."""
+    import subprocess
+    import sys
+
+    import torch
+
+    file, out = tmp_path / "t.toml", tmp_path / "s"
+    file.write_text(TINY.replace("workers = [2, 4]", "workers = [2]"))
+    assert main(["sweep", str(file), "--out", str(out), "--jobs", "1", "--no-progress"]) == 0
+    second = out / "cells" / "arm=bsp,workers=2"  # the grid's second cell
+    fresh = tmp_path / "fresh"
+    command = [sys.executable, "-m", "ako", "simulate", "--config", str(second / "cell.toml"), "--out-dir", str(fresh)]
+    subprocess.run(command, check=True, capture_output=True)
+    runs = [next(second.glob("*/summary.json")).parent, next(fresh.glob("*/summary.json")).parent]
+    drop = {"run_dir", "wall_seconds", "simulation"}
+    kept = [{k: v for k, v in json.loads((r / "summary.json").read_text()).items() if k not in drop} for r in runs]
+    assert kept[0] == kept[1]
+    models = [torch.load(r / "model.pt", weights_only=True) for r in runs]
+    assert all(torch.equal(models[0][k], models[1][k]) for k in models[0])
+
+
+def test_a_cell_whose_process_dies_fails_and_the_next_cell_runs(tmp_path, capsys):
+    """The long-lived process is killed (SIGKILL) in the middle of a cell: that cell fails
+    with the signal named, and the next cell runs in a new process and finishes."""
+    import signal
+    import subprocess
+    import threading
+    import time
+
+    file, out = tmp_path / "t.toml", tmp_path / "s"
+    file.write_text(TINY.replace("workers = [2, 4]", "workers = [2]")
+                    .replace('name = "allreduce"\nstrategy = "allreduce"', 'name = "allreduce"\nstrategy = "allreduce"\nepochs = 100\ntarget_accuracy = 0.999'))  # fmt: skip
+    slow = out / "cells" / "arm=allreduce,workers=2"
+
+    def kill_when_running():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not list(slow.glob("*/config.toml")):
+            time.sleep(0.1)
+        pids = []
+        while time.monotonic() < deadline and not pids:
+            found = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "ako.experiments.cell_process"],
+                                   capture_output=True, text=True)  # fmt: skip
+            pids = found.stdout.split()
+        for pid in pids:
+            os.kill(int(pid), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_when_running)
+    killer.start()
+    status = main(["sweep", str(file), "--out", str(out), "--jobs", "1", "--no-progress"])
+    killer.join()
+    err = capsys.readouterr().err
+    assert status == 1 and "failed arm=allreduce,workers=2" in err and "done   arm=bsp,workers=2" in err
+    assert "arm=allreduce,workers=2: its process was killed by SIGKILL" in err

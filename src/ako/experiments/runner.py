@@ -1,6 +1,7 @@
-"""Running a sweep's cells (`ako sweep`): each as its own `ako simulate|train` process, `jobs` at
-a time, resumably: a cell is finished when its run wrote a readable summary with the settings
-and runtime the sweep file gives now (`finished_run`); running again runs only the others."""
+"""Running a sweep's cells (`ako sweep`), `jobs` at a time: simulated ones in one long-lived
+process per job slot (`cell_process`), real ones each as its own `ako train` process.
+Resumably: a cell is finished when its run wrote a readable summary with the settings and
+runtime the sweep file gives now (`finished_run`); running again runs only the others."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import tomli_w
 
+from ako.experiments.cell_process import CellProcess
 from ako.experiments.grid import EXIT_BAD_INPUT, Cell, Sweep
 from ako.metrics import write_atomic
 
@@ -80,68 +83,104 @@ def run_sweep(sweep: Sweep, out: Path, jobs: int = 1, progress: bool | None = No
     failed: list[tuple[Cell, str]] = []
     running: dict = {}
     stop = threading.Event()
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
+    slots = _Slots()
+    try:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
 
-        def start(cell: Cell) -> None:
-            running[pool.submit(run_cell, cell, out / "cells" / cell.name, jobs, stop)] = cell
+            def start(cell: Cell) -> None:
+                running[pool.submit(run_cell, cell, out / "cells" / cell.name, jobs, stop, slots)] = cell
 
-        try:
-            pending = iter(todo)
-            for cell in itertools.islice(pending, jobs):
-                start(cell)
-            while running:
-                done, _ = wait(running, return_when=FIRST_COMPLETED)
-                for future in done:
-                    cell = running.pop(future)
-                    status, line = future.result()
-                    if status == EXIT_BAD_INPUT:
-                        raise SweepFailed(f"cell {cell.name}: {line.removeprefix('ako: error: ')}")
-                    if status != 0:
-                        failed.append((cell, line))
-                    bar.write(f"{'failed' if status else 'done  '} {cell.name}: {line}")
-                    bar.update(1)
-                    for nxt in itertools.islice(pending, 1):
-                        start(nxt)
-        except BaseException:
-            stop.set()
-            raise
-        finally:
-            bar.close()
+            try:
+                pending = iter(todo)
+                for cell in itertools.islice(pending, jobs):
+                    start(cell)
+                while running:
+                    done, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        cell = running.pop(future)
+                        status, line = future.result()
+                        if status == EXIT_BAD_INPUT:
+                            raise SweepFailed(f"cell {cell.name}: {line.removeprefix('ako: error: ')}")
+                        if status != 0:
+                            failed.append((cell, line))
+                        bar.write(f"{'failed' if status else 'done  '} {cell.name}: {line}")
+                        bar.update(1)
+                        for nxt in itertools.islice(pending, 1):
+                            start(nxt)
+            except BaseException:
+                stop.set()
+                raise
+            finally:
+                bar.close()
+    finally:  # every thread is done: a process with a cell when `stop` was set has been stopped
+        slots.close()
     return failed
 
 
-def run_cell(cell: Cell, cell_dir: Path, jobs: int, stop: threading.Event) -> tuple[int, str]:
-    """Run one cell as `python -m ako <simulate|train> --config cell.toml` in a fresh `cell_dir`.
-    Returns (exit status, a one-line result or error)."""
+class _Slots:
+    """Each pool thread's `CellProcess`, made for its first simulated cell."""
+
+    def __init__(self):
+        self.local, self.all, self.lock = threading.local(), [], threading.Lock()
+
+    def mine(self, env: dict | None) -> CellProcess:
+        process = getattr(self.local, "process", None)
+        if process is None:
+            process = self.local.process = CellProcess(env)
+            with self.lock:
+                self.all.append(process)
+        return process
+
+    def close(self) -> None:
+        for process in self.all:
+            process.close()
+
+
+def run_cell(cell: Cell, cell_dir: Path, jobs: int, stop: threading.Event, slots: _Slots) -> tuple[int, str]:
+    """Run one cell as `ako <simulate|train> --config cell.toml` in a fresh `cell_dir`: a
+    simulated cell in this thread's `CellProcess` (kept in `slots`), a real one in a process of
+    its own. Returns (exit status, a one-line result or error)."""
     try:
-        return _run_cell(cell, cell_dir, jobs, stop)
+        return _run_cell(cell, cell_dir, jobs, stop, slots)
     except OSError as e:  # the disk, not the cell: say so and go on with the others
         return 1, f"cannot write in {cell_dir}: {e.strerror or e}"
 
 
-def _run_cell(cell: Cell, cell_dir: Path, jobs: int, stop: threading.Event) -> tuple[int, str]:
+def _run_cell(cell: Cell, cell_dir: Path, jobs: int, stop: threading.Event, slots: _Slots) -> tuple[int, str]:
     if cell_dir.exists():
         shutil.rmtree(cell_dir)  # an unfinished or outdated run: start the cell again
     cell_dir.mkdir(parents=True)
     write_atomic(cell_dir / "cell.toml", tomli_w.dumps(cell.settings))
-    command = [sys.executable, "-m", "ako", cell.runtime, "--config", str(cell_dir / "cell.toml"),
-               "--out-dir", str(cell_dir), "--no-progress"]  # fmt: skip
+    argv = [cell.runtime, "--config", str(cell_dir / "cell.toml"), "--out-dir", str(cell_dir), "--no-progress"]
     env = dict(os.environ, OMP_NUM_THREADS="1") if jobs > 1 else None  # one core per cell
     started = time.monotonic()
-    with open(cell_dir / "log.txt", "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        while process.poll() is None:
-            if stop.wait(0.2):
-                _stop(process)
-                return 130, "interrupted"
-    status = process.returncode
+    if cell.runtime == "simulate":
+        status = slots.mine(env).run(argv, cell_dir / "log.txt", stop)
+    else:
+        status = _own_process(argv, cell_dir / "log.txt", env, stop)
+    if status == 130:
+        return 130, "interrupted"
     run = next((p.parent for p in cell_dir.glob("*/summary.json")), None)
     if status == 0 and run is not None and (outputs := load_run(run)) is not None:
         record = {"arm": cell.arm, "labels": dict(cell.labels), "runtime": cell.runtime, "settings": _jsonable(cell.settings)}
         write_atomic(cell_dir / "cell.json", json.dumps(record, indent=2))
         return 0, _outcome(outputs[0], cell, time.monotonic() - started)
+    if status < 0:
+        return 1, f"its process was killed by {signal.Signals(-status).name}"
     lines = (cell_dir / "log.txt").read_text().strip().splitlines()
     return status or 1, lines[-1] if lines else f"exit status {status}"
+
+
+def _own_process(argv: list[str], log: Path, env: dict | None, stop: threading.Event) -> int:
+    """`python -m ako <argv>` in a process of its own, output in `log`; its exit status, or
+    130 when `stop` was set meanwhile (the process is then stopped)."""
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "ako", *argv], stdout=out, stderr=subprocess.STDOUT, env=env)
+        while process.poll() is None:
+            if stop.wait(0.2):
+                _stop(process)
+                return 130
+    return process.returncode
 
 
 def _stop(process: subprocess.Popen) -> None:

@@ -1,0 +1,124 @@
+"""A process that runs a sweep's `ako simulate` cells one after another, in itself.
+
+A cell in a fresh process first spends about 4 s importing torch and torch._dynamo (which
+torch.optim's first step imports): a third of a small cell. One process per job slot pays
+that once. Each cell is still a whole `ako` command line (`ako.cli.main`), its output (file
+descriptors 1 and 2) in its own log, its randomness seeded by its own settings; a cell gives
+the same result here as in a fresh process (tests/test_sweep.py).
+
+Protocol: one JSON request a line on stdin, {"argv": [...], "log": path}; one JSON reply a
+line on the file descriptor given as the only argument, {"status": exit status}. End of
+stdin ends the process. `CellProcess` is the sweep's side.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import traceback
+from pathlib import Path
+
+
+def run_cell_here(argv: list[str], log: str) -> int:
+    """`ako <argv>` in this process with its stdout and stderr (the file descriptors, so
+    torch's C++ output too) in `log`; returns its exit status."""
+    from ako.cli import main
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(log, "w") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+        try:
+            return main(argv)
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else 1
+        except Exception:  # a bug, not bad input: its traceback goes to the cell's log
+            traceback.print_exc()
+            return 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def serve(reply_fd: int) -> None:
+    """Run the cells requested on stdin until it ends."""
+    with os.fdopen(reply_fd, "w") as replies:
+        for line in sys.stdin:
+            request = json.loads(line)
+            status = run_cell_here(request["argv"], request["log"])
+            replies.write(json.dumps({"status": status}) + "\n")
+            replies.flush()
+
+
+class CellProcess:
+    """The sweep's side: a `serve` process started on first use (with `env`), given one cell
+    at a time; a new one after it dies or is stopped."""
+
+    def __init__(self, env: dict | None):
+        self.env = env
+        self.process: subprocess.Popen | None = None
+        self.replies = None
+
+    def run(self, argv: list[str], log: Path, stop: threading.Event) -> int:
+        """Run `ako <argv>` (output in `log`); its exit status, 130 when `stop` was set
+        meanwhile (the process is then stopped), or the process's own status (negative: a
+        signal) when it died in the cell."""
+        if self.process is None:
+            self._start()
+        self.process.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
+        self.process.stdin.flush()
+        while True:
+            if stop.is_set():
+                self.close(kill=True)
+                return 130
+            ready, _, _ = select.select([self.replies], [], [], 0.2)
+            if ready:
+                line = self.replies.readline()
+                if line:
+                    return int(json.loads(line)["status"])
+                status = self.process.wait()  # died in the cell: its log has what it wrote
+                self.close(kill=True)
+                return status or 1
+
+    def _start(self) -> None:
+        read, write = os.pipe()
+        command = [sys.executable, "-m", "ako.experiments.cell_process", str(write)]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, text=True, env=self.env, pass_fds=(write,))
+        os.close(write)
+        self.replies = os.fdopen(read)
+
+    def close(self, kill: bool = False) -> None:
+        """End the process: at once with `kill` (SIGTERM, SIGKILL after 10 s), else when it has
+        read the end of its input."""
+        if self.process is None:
+            return
+        process, self.process = self.process, None
+        try:
+            process.stdin.close()
+        except OSError:
+            pass
+        if kill:
+            process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        self.replies.close()
+
+
+if __name__ == "__main__":
+    try:
+        serve(int(sys.argv[1]))
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the sweep says it
+        pass
