@@ -382,3 +382,12 @@ def test_a_cell_whose_process_dies_fails_and_the_next_cell_runs(tmp_path, capsys
     err = capsys.readouterr().err
     assert status == 1 and "failed arm=allreduce,workers=2" in err and "done   arm=bsp,workers=2" in err
     assert "arm=allreduce,workers=2: its process was killed by SIGKILL" in err
+
+
+def test_a_diverged_cell_s_line_says_so():
+    """A cell whose loss diverged (null in summary.json) gets its one-line result, not a crash
+    of the sweep (experiment 2's easgd at 32 workers once stopped the whole sweep here)."""
+    from ako.experiments.runner import _outcome
+
+    line = _outcome({"test_metrics": {"accuracy": 0.107, "loss": None}, "target": None}, 12.3)
+    assert line == "accuracy 0.1070, loss n/a (diverged) (12 s)"

@@ -23,7 +23,7 @@ import tomli_w
 
 from ako.experiments.cell_process import CellProcess
 from ako.experiments.grid import EXIT_BAD_INPUT, Cell, Sweep
-from ako.metrics import write_atomic
+from ako.metrics import figure, write_atomic
 
 
 def finished_run(cell_dir: Path, cell: Cell) -> tuple[Path, dict, list[dict]] | None:
@@ -164,7 +164,7 @@ def _run_cell(cell: Cell, cell_dir: Path, jobs: int, stop: threading.Event, slot
     if status == 0 and run is not None and (outputs := load_run(run)) is not None:
         record = {"arm": cell.arm, "labels": dict(cell.labels), "runtime": cell.runtime, "settings": _jsonable(cell.settings)}
         write_atomic(cell_dir / "cell.json", json.dumps(record, indent=2))
-        return 0, _outcome(outputs[0], cell, time.monotonic() - started)
+        return 0, _outcome(outputs[0], time.monotonic() - started)
     if status < 0:
         return 1, f"its process was killed by {signal.Signals(-status).name}"
     lines = (cell_dir / "log.txt").read_text().strip().splitlines()
@@ -193,8 +193,8 @@ def _stop(process: subprocess.Popen) -> None:
         process.wait()
 
 
-def _outcome(summary: dict, cell: Cell, seconds: float) -> str:
-    text = ", ".join(f"{name} {value:.4f}" for name, value in summary["test_metrics"].items())
+def _outcome(summary: dict, seconds: float) -> str:
+    text = ", ".join(f"{name} {figure(value)}" for name, value in summary["test_metrics"].items())
     if summary.get("target"):
         tta = summary["time_to_target"]
         text += f"; {summary['target']} " + ("not reached" if tta is None else f"at {tta:.1f} s")
