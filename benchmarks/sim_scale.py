@@ -1,8 +1,10 @@
-"""Speed and memory of the simulator at scale: one `ako simulate` run (default: 64 workers,
+"""Speed and memory of the simulator at scale, optionally side by side with an older revision.
+
+One `ako simulate` run (default: 64 workers,
 allreduce, the cnn on Fashion-MNIST, batch 16, 1 Gbit/s links, 100 us latency, worker 3 at
 factor 4), with `--threads` torch threads (default 1, as a sweep cell runs). Prints the real
-seconds per simulated epoch, the share that is not forward/backward, peak memory against one
-flat replica per worker, and a hash of the final replicas (equal hashes: the same result, bit
+seconds per simulated epoch, the share that is not forward/backward, the peak memory (of
+the whole process: run it at two worker counts for the memory per worker), and a hash of the final replicas (equal hashes: the same result, bit
 for bit).
 
 With `--baseline REV`, the same run is made with the code of git revision REV too, each in
@@ -93,32 +95,32 @@ def baseline_tree(rev: str, into: Path) -> Path:
     return into / "src"
 
 
-def describe(label: str, r: dict, workers: int) -> str:
+def describe(label: str, r: dict) -> str:
     other = r["real_seconds"] - r["forward_backward_seconds"]
     per_epoch = r["real_seconds"] / r["epochs"]
     return (
         f"{label:<9} {per_epoch:8.1f} s/epoch  ({r['real_seconds']:.1f} s real for {r['epochs']:.2f} epochs, "
         f"{r['virtual_seconds']:.2f} virtual s)  forward/backward {r['forward_backward_seconds']:.1f} s, "
         f"the rest {other:.1f} s = {other / r['real_seconds']:.0%} (evaluation {r['evaluation_seconds']:.1f} s)  "
-        f"peak {r['peak_mib']:.0f} MiB = {r['peak_mib'] / workers:.1f} MiB/worker  accuracy {r['test_accuracy']}  "
+        f"peak memory {r['peak_mib']:.0f} MiB  accuracy {r['test_accuracy']}  "
         f"replicas {r['hash']}"
     )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategy", default="allreduce")
-    parser.add_argument("--workers", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--epochs", type=float, default=1.0)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--strategy", default="allreduce", help="any ako strategy")
+    parser.add_argument("--workers", type=int, default=64, help="simulated workers")
+    parser.add_argument("--batch-size", type=int, default=16, help="per worker")
+    parser.add_argument("--lr", type=float, default=0.1, help="learning rate")
+    parser.add_argument("--epochs", type=float, default=1.0, help="epochs simulated")
     parser.add_argument("--target", type=float, default=0.99, help="stop at this accuracy (default: not before --epochs)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as a sweep cell)")
     parser.add_argument("--seconds-per-sample", type=float, default=4e-4, help="compute cost (default: experiment 1's)")
     parser.add_argument("--baseline", metavar="REV", help="also run the code of this git revision, side by side")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each (the median is compared)")
-    parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--out-dir", default="runs/sim_scale")
+    parser.add_argument("--profile", action="store_true", help="print the 15 functions that take the most time")
+    parser.add_argument("--out-dir", default="runs/sim_scale", help="where the runs go")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -127,7 +129,7 @@ def main() -> None:
     print(f"{args.workers} workers, {args.strategy}, batch {args.batch_size}, {args.threads} torch thread(s), "
           f"{args.epochs:g} epochs")  # fmt: skip
     if args.baseline is None:
-        print(describe("this tree", run_here(args), args.workers))
+        print(describe("this tree", run_here(args)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         old_src = baseline_tree(args.baseline, Path(tmp))
@@ -137,7 +139,7 @@ def main() -> None:
             runs["this tree"].append(run_child(args, ROOT / "src"))
     medians = {label: sorted(rs, key=lambda r: r["real_seconds"] / r["epochs"])[len(rs) // 2] for label, rs in runs.items()}
     for label, r in medians.items():
-        print(describe(label, r, args.workers))
+        print(describe(label, r))
     old, new = medians[args.baseline], medians["this tree"]
     speedup = (old["real_seconds"] / old["epochs"]) / (new["real_seconds"] / new["epochs"])
     same = "the same final replicas, bit for bit" if old["hash"] == new["hash"] else "DIFFERENT final replicas"

@@ -206,7 +206,7 @@ def _progress(total: int, done: int, show: bool | None):
     from tqdm import tqdm
 
     if sys.stderr.isatty() if show is None else show:
-        return tqdm(total=total, initial=done, unit="cell", desc="sweep", dynamic_ncols=True)
+        return tqdm(total=total, initial=done, unit="cell", desc="sweep")
     return _Lines(total, done)
 
 

@@ -1,6 +1,8 @@
 """The simulation's progress bar: every worker's steps out of the steps planned (the epochs of
 every worker), the virtual seconds simulated, their rate in virtual seconds per real second,
-rank 0's last test accuracy, and tqdm's estimate of the real time left.
+rank 0's last logged test accuracy (logged during the run only with a target accuracy, and
+for strategies whose replicas differ once every worker's copy is in), and tqdm's estimate of
+the real time left.
 
 Counting every worker's steps, not rank 0's, keeps the estimate true where the workers do not
 keep together: with asynchronous strategies or a straggler the run ends when the slowest
@@ -25,11 +27,14 @@ class Progress:
 
     def __init__(self, env: simpy.Environment, total: int, shown: bool | None, last_metrics: Callable[[], dict | None]):
         self.env, self.last_metrics = env, last_metrics
-        self.bar = tqdm(total=total, unit="step", disable=None if shown is None else not shown, dynamic_ncols=True)
+        self.bar = tqdm(total=total, unit="step", disable=None if shown is None else not shown)
         self.started = self.shown_at = time.perf_counter()
 
     def step(self) -> None:
-        """One worker finished one step."""
+        """One worker finished one step. A strategy may run a few steps past the plan (Ako's
+        ring agrees on its last step s steps after the first vote): the total then grows."""
+        if self.bar.n >= self.bar.total:
+            self.bar.total = self.bar.n + 1
         self.bar.update()
         now = time.perf_counter()
         if now - self.shown_at >= _REFRESH and not self.bar.disable:

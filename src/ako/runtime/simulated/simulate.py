@@ -66,18 +66,23 @@ def simulate_job(job: Job, costs: Costs, data: Data | None = None) -> tuple[dict
     reports = [runtime.node_report(rank, end) for rank in range(world)]
     facts = runtime.nodes[0].facts
     finals = [r.params for r in replicas[:n]] if strategy.replicas_differ else []
+    finishing = time.perf_counter()
     summary, model = final_summary(job, data, runtime.nodes[0].state, reports, finals, facts, [], run_dir)
-    summary["simulation"] = _simulation_facts(runtime, costs, reports, end, time.perf_counter() - started)
+    finishing = time.perf_counter() - finishing  # the evaluations left for after training, mostly
+    summary["simulation"] = _simulation_facts(runtime, costs, reports, end, time.perf_counter() - started, finishing)
     publish(run_dir, summary, format_simulation(summary["simulation"]))
     workers = [WorkerResult(r, replicas[r].params.clone(), runtime.nodes[r].facts) for r in range(n)]
     workers[0].summary, workers[0].model = summary, model
     return summary, workers
 
 
-def _simulation_facts(runtime: SimulatedRuntime, costs: Costs, reports: list[dict], end: float, real: float) -> dict:
+def _simulation_facts(runtime: SimulatedRuntime, costs: Costs, reports: list[dict], end: float, real: float,
+                      finishing: float) -> dict:  # fmt: skip
     """The simulator's own figures: cost constants, virtual and real seconds, where the real
-    time went, and per-role means of the time accounts."""
-    evaluating = runtime.nodes[0].clock.paused_real
+    time went (`finishing`: the real seconds of the summary after training, counted as
+    evaluation: the evaluations left until then, the consensus of the final replicas, model.pt),
+    and per-role means of the time accounts."""
+    evaluating = runtime.nodes[0].clock.paused_real + finishing
     workers = [r for r in reports if r["role"] == "worker"]
 
     def mean(key):
