@@ -391,3 +391,38 @@ def test_a_diverged_cell_s_line_says_so():
 
     line = _outcome({"test_metrics": {"accuracy": 0.107, "loss": None}, "target": None}, 12.3)
     assert line == "accuracy 0.1070, loss n/a (diverged) (12 s)"
+
+
+def test_what_a_cell_changes_of_its_process_is_put_back(tmp_path):
+    """The working directory, torch's default dtype, thread count and modes are restored after
+    a cell (one set to float64 once made the next cells in the same process train otherwise)."""
+    import torch
+
+    from ako.experiments.cell_process import _process_state
+
+    before = (os.getcwd(), torch.get_default_dtype(), torch.get_num_threads(), torch.is_anomaly_enabled())
+    with _process_state():
+        os.chdir(tmp_path)
+        torch.set_default_dtype(torch.float64)
+        torch.set_num_threads(1 if before[2] > 1 else 2)
+        torch.set_anomaly_enabled(True)
+    assert (os.getcwd(), torch.get_default_dtype(), torch.get_num_threads(), torch.is_anomaly_enabled()) == before
+
+
+def test_a_cell_process_that_died_between_cells_is_replaced(tmp_path):
+    """Killed while idle, the long-lived process is replaced for the next cell (every later
+    cell of that slot once failed with a broken pipe)."""
+    import signal
+    import threading
+
+    from ako.experiments.cell_process import CellProcess
+
+    cells, stop = CellProcess(None), threading.Event()
+    try:
+        assert cells.run(["info"], tmp_path / "a.txt", stop) == 0
+        os.kill(cells.process.pid, signal.SIGKILL)
+        cells.process.wait()
+        assert cells.run(["info"], tmp_path / "b.txt", stop) == 0
+        assert "data set" in (tmp_path / "b.txt").read_text()
+    finally:
+        cells.close()

@@ -102,3 +102,23 @@ def test_the_cnn_s_max_pooling_is_nn_maxpool2d_bit_for_bit(values):
     b.backward(grad)
     assert torch.equal(a, b) or (values == "nan" and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)))
     assert torch.equal(ours.grad, theirs.grad)
+
+
+def test_the_cnn_s_max_pooling_takes_double_backward_torch_func_and_torchscript():
+    """What nn.MaxPool2d takes, ako's does: a gradient penalty's double backward (the same
+    values), torch.func's vmap and grad, TorchScript (there it is nn.MaxPool2d)."""
+    from torch.func import grad, vmap
+
+    from ako.models import build_model
+
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64, requires_grad=True)
+    second = []
+    for pool in (MaxPool2d(2), torch.nn.MaxPool2d(2)):
+        first = torch.autograd.grad(pool(x).pow(2).sum(), x, create_graph=True)[0]
+        second.append(torch.autograd.grad(first.sum(), x)[0])
+    assert torch.equal(*second) and second[0].abs().sum() > 0
+    xs = torch.randn(4, 2, 3, 6, 6)
+    assert torch.equal(vmap(grad(lambda t: MaxPool2d(2)(t).sum()))(xs), vmap(grad(lambda t: torch.nn.MaxPool2d(2)(t).sum()))(xs))
+    model = build_model("cnn", (1, 28, 28), 10).eval()
+    image = torch.randn(2, 1, 28, 28)
+    assert torch.equal(torch.jit.script(model)(image), model(image))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 MODELS: dict[str, Callable[[tuple[int, int, int], int], nn.Module]] = {}
@@ -45,34 +46,50 @@ class _ChannelsLastMax(torch.autograd.Function):
     """2-D max pooling (kernel = stride = k, no padding) of x (B, C, H, W), computed in the
     channels-last layout, whose CPU kernel is vectorised over channels (about 5x faster than the
     NCHW one, which took a third of the cnn's forward and backward); the backward is the NCHW
-    kernel's, with the same indices. Bit for bit nn.MaxPool2d (ties and NaN included:
-    tests/test_training.py)."""
+    kernel's, with the same indices, itself differentiable (double backward). Bit for bit
+    nn.MaxPool2d (ties and NaN included: tests/test_training.py)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, k: int) -> torch.Tensor:
+    def forward(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         out, indices = torch.ops.aten.max_pool2d_with_indices(x.contiguous(memory_format=torch.channels_last), [k, k], [k, k])
-        ctx.save_for_backward(x, indices.contiguous())
-        ctx.k = k
-        return out.contiguous()
+        layout = torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() else torch.contiguous_format
+        return out.contiguous(memory_format=layout), indices.contiguous()
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor):
+    def setup_context(ctx, inputs, output) -> None:
+        x, k = inputs
+        ctx.save_for_backward(x, output[1])
+        ctx.mark_non_differentiable(output[1])
+        ctx.k = k
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _indices_grad):
         x, indices = ctx.saved_tensors
         k = [ctx.k, ctx.k]
         return torch.ops.aten.max_pool2d_with_indices_backward(grad.contiguous(), x, k, k, [0, 0], [1, 1], False, indices), None
 
 
+# torch.func's transforms (vmap, grad, jacrev) cannot query a channels-last layout
+_transforming = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
 class MaxPool2d(nn.MaxPool2d):
-    """nn.MaxPool2d(k), with `_ChannelsLastMax` on the CPU; the same results, faster."""
+    """nn.MaxPool2d(k), with `_ChannelsLastMax` on the CPU; the same results, faster. Under
+    TorchScript, torch.func's transforms and forward-mode AD it is nn.MaxPool2d."""
 
     def __init__(self, k: int):
         super().__init__(k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dim() == 4:
-            return _ChannelsLastMax.apply(x, self.kernel_size)
-        return super().forward(x)
+        if torch.jit.is_scripting():
+            return F.max_pool2d(x, self.kernel_size, self.stride)
+        return self._eager(x)
+
+    @torch.jit.unused
+    def _eager(self, x):
+        if x.device.type != "cpu" or x.dim() != 4 or _transforming() or torch.autograd.forward_ad._current_level >= 0:
+            return F.max_pool2d(x, self.kernel_size, self.stride)
+        return _ChannelsLastMax.apply(x, self.kernel_size)[0]
 
 
 @register("mlp")

@@ -20,25 +20,32 @@ import subprocess
 import sys
 import threading
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 
 def run_cell_here(argv: list[str], log: str) -> int:
     """`ako <argv>` in this process with its stdout and stderr (the file descriptors, so
-    torch's C++ output too) in `log`; returns its exit status."""
+    torch's C++ output too) in `log`; returns its exit status. What a cell may change of the
+    process is put back after it (`_process_state`)."""
     from ako.cli import main
 
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
-    with open(log, "w") as out:
+    with open(log, "w") as out, _process_state():
         os.dup2(out.fileno(), 1)
         os.dup2(out.fileno(), 2)
         try:
             return main(argv)
         except SystemExit as e:
-            return e.code if isinstance(e.code, int) else 1
-        except Exception:  # a bug, not bad input: its traceback goes to the cell's log
+            if e.code is None or isinstance(e.code, int):
+                return e.code or 0
+            print(e.code, file=sys.stderr)  # sys.exit("message"), as Python prints it
+            return 1
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # a bug, not bad input: its traceback goes to the cell's log
             traceback.print_exc()
             return 1
         finally:
@@ -48,6 +55,29 @@ def run_cell_here(argv: list[str], log: str) -> int:
             os.dup2(saved[1], 2)
             os.close(saved[0])
             os.close(saved[1])
+
+
+@contextmanager
+def _process_state():
+    """Put back after a cell what it may change of the process and a fresh process would not
+    carry into the next cell: the working directory, the warnings shown once, and torch's
+    default dtype, thread count, deterministic and anomaly modes. (A user's own module-level
+    state, and threads a cell leaves running, stay: docs/experiments.md.)"""
+    import warnings
+
+    import torch
+
+    cwd, dtype, threads = os.getcwd(), torch.get_default_dtype(), torch.get_num_threads()
+    deterministic, anomaly = torch.are_deterministic_algorithms_enabled(), torch.is_anomaly_enabled()
+    try:
+        with warnings.catch_warnings():
+            yield
+    finally:
+        os.chdir(cwd)
+        torch.set_default_dtype(dtype)
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+        torch.set_anomaly_enabled(anomaly)
 
 
 def serve(reply_fd: int) -> None:
@@ -73,10 +103,18 @@ class CellProcess:
         """Run `ako <argv>` (output in `log`); its exit status, 130 when `stop` was set
         meanwhile (the process is then stopped), or the process's own status (negative: a
         signal) when it died in the cell."""
+        if self.process is not None and self.process.poll() is not None:
+            self.close()  # it died between cells (killed, out of memory): a new one
         if self.process is None:
             self._start()
-        self.process.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
-        self.process.stdin.flush()
+        try:
+            self.process.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
+            self.process.stdin.flush()
+        except BrokenPipeError:  # it died just now: once more, in a new one
+            self.close()
+            self._start()
+            self.process.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
+            self.process.stdin.flush()
         while True:
             if stop.is_set():
                 self.close(kill=True)
@@ -105,7 +143,7 @@ class CellProcess:
         process, self.process = self.process, None
         try:
             process.stdin.close()
-        except OSError:
+        except OSError:  # BrokenPipeError: it is dead
             pass
         if kill:
             process.terminate()

@@ -151,11 +151,12 @@ def _run_cell(cell: Cell, cell_dir: Path, jobs: int, stop: threading.Event, slot
         shutil.rmtree(cell_dir)  # an unfinished or outdated run: start the cell again
     cell_dir.mkdir(parents=True)
     write_atomic(cell_dir / "cell.toml", tomli_w.dumps(cell.settings))
-    argv = [cell.runtime, "--config", str(cell_dir / "cell.toml"), "--out-dir", str(cell_dir), "--no-progress"]
+    where = cell_dir.resolve()  # absolute: a cell may change the working directory
+    argv = [cell.runtime, "--config", str(where / "cell.toml"), "--out-dir", str(where), "--no-progress"]
     env = dict(os.environ, OMP_NUM_THREADS="1") if jobs > 1 else None  # one core per cell
     started = time.monotonic()
     if cell.runtime == "simulate":
-        status = slots.mine(env).run(argv, cell_dir / "log.txt", stop)
+        status = slots.mine(env).run(argv, where / "log.txt", stop)
     else:
         status = _own_process(argv, cell_dir / "log.txt", env, stop)
     if status == 130:

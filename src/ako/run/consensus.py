@@ -38,9 +38,12 @@ def consensus_distance(replicas: Sequence[torch.Tensor], weights: list[float] | 
     (distance, a dimensionless float >= 0, NaN when the average is all zeros; w_avg (numel,),
     in the replicas' dtype). Computed in float64 one replica at a time (no (k, numel) float64
     copy: at 64 replicas of the cnn that copy cost more than the rest), so that identical
-    replicas are at distance exactly 0. Raises ValueError when the weights sum to 0."""
+    replicas are at distance exactly 0. Raises ValueError when the weights sum to 0 or are not
+    one per replica."""
     k = len(replicas)
     w = [1.0] * k if weights is None else [float(x) for x in weights]
+    if len(w) != k:
+        raise ValueError(f"weights {weights}: must be one per replica, {k}")
     total = sum(w)
     if not total > 0:
         raise ValueError(f"weights {weights}: must sum to more than 0")
