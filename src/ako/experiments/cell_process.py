@@ -107,14 +107,13 @@ class CellProcess:
             self.close()  # it died between cells (killed, out of memory): a new one
         if self.process is None:
             self._start()
+        request = json.dumps({"argv": argv, "log": str(log)}) + "\n"
         try:
-            self.process.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
-            self.process.stdin.flush()
+            self._send(request)
         except BrokenPipeError:  # it died just now: once more, in a new one
             self.close()
             self._start()
-            self.process.stdin.write(json.dumps({"argv": argv, "log": str(log)}) + "\n")
-            self.process.stdin.flush()
+            self._send(request)
         while True:
             if stop.is_set():
                 self.close(kill=True)
@@ -127,6 +126,10 @@ class CellProcess:
                 status = self.process.wait()  # died in the cell: its log has what it wrote
                 self.close(kill=True)
                 return status or 1
+
+    def _send(self, request: str) -> None:
+        self.process.stdin.write(request)
+        self.process.stdin.flush()
 
     def _start(self) -> None:
         read, write = os.pipe()
@@ -145,14 +148,19 @@ class CellProcess:
             process.stdin.close()
         except OSError:  # BrokenPipeError: it is dead
             pass
-        if kill:
-            process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        end_process(process, terminate=kill)
         self.replies.close()
+
+
+def end_process(process: subprocess.Popen, terminate: bool) -> None:
+    """Wait for `process` to end, first sending SIGTERM when `terminate`; SIGKILL after 10 s."""
+    if terminate:
+        process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 if __name__ == "__main__":

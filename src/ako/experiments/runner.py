@@ -21,7 +21,7 @@ from pathlib import Path
 
 import tomli_w
 
-from ako.experiments.cell_process import CellProcess
+from ako.experiments.cell_process import CellProcess, end_process
 from ako.experiments.grid import EXIT_BAD_INPUT, Cell, Sweep
 from ako.metrics import figure, write_atomic
 
@@ -179,19 +179,9 @@ def _own_process(argv: list[str], log: Path, env: dict | None, stop: threading.E
         process = subprocess.Popen([sys.executable, "-m", "ako", *argv], stdout=out, stderr=subprocess.STDOUT, env=env)
         while process.poll() is None:
             if stop.wait(0.2):
-                _stop(process)
+                end_process(process, terminate=True)  # SIGTERM: its workers die with it
                 return 130
     return process.returncode
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """Stop a cell's run: SIGTERM (its workers die with it), SIGKILL after 10 s."""
-    process.terminate()
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def _outcome(summary: dict, seconds: float) -> str:
