@@ -3,8 +3,8 @@
 Every rank (worker or server) is one SimPy process that drives its strategy program, carrying
 out the operations of `ako.strategies.ops` as the distributed runtime does, with real tensors:
 - `Compute` takes the next mini-batch, files the real gradient with the replica's parameters
-  as they are at that virtual moment (`Gradients` computes every filed one together, on
-  torch's thread count of threads, when the first is due), and holds the worker for the cost
+  as they are at that virtual moment (`Gradients` computes every filed one together, as
+  many at once as torch has threads, when the first is due), and holds the worker for the cost
   model's compute time (samples x seconds per sample x straggler factor, `costs.Costs`; on a
   shared host, its share of the cores, `costs.SharedHost`).
   `ComputePartial` does the same micro-batch by micro-batch, checking for the stop message
