@@ -198,16 +198,17 @@ def simulate(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set:
     config = validate(config, simulated=True)
     job = Job(config, strategy, model_fn, train_set, test_set, loss_fn, eval_fn, optimizer_fn, scheduler_fn, collate_fn)
     data, _ = job.check()
-    sps, shared = config.seconds_per_sample, ()
+    sps, shared, ready = config.seconds_per_sample, (), ()
     if config.profile is not None:
         profile = load_profile(config.profile, config, data.name)
         sps = float(profile["seconds_per_sample"]) if sps is None else sps
         shared = tuple(float(t) for t in profile.get("shared_seconds_per_sample", ()))
+        ready = tuple(float(f) for f in profile.get("gradient_ready", ()))
     if sps is None:
         sps = measure_seconds_per_sample(job, data, torch.device("cpu"))
     job.config = replace(config, seconds_per_sample=sps)
     bandwidth = config.bandwidth_bytes
-    costs = Costs(sps, math.inf if bandwidth is None else bandwidth, config.latency_seconds, shared)
+    costs = Costs(sps, math.inf if bandwidth is None else bandwidth, config.latency_seconds, shared, ready)
     summary, workers = simulate_job(job, costs, data)
     return RunResult(summary, workers)
 

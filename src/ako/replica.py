@@ -8,6 +8,7 @@ one fused optimizer call. The module's parameters and their `.grad` are views in
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -63,6 +64,8 @@ class Replica:
         model: the user's `nn.Module`; its parameters alias `params`.
         params: flat parameters, shape (numel,), float32. Writing to it changes the model.
         grad: flat gradient of the last `compute_gradient`, shape (numel,).
+        slot: one float right after `grad` in `grad_and_slot` (numel + 1,): a value that rides
+            in the all-reduce of the gradient's first bucket at no cost (the stop vote).
         boundaries: offsets where each parameter tensor starts, plus numel at the end: the
             places where a partition boundary keeps tensors whole.
     """
@@ -80,7 +83,8 @@ class Replica:
         sizes = [p.numel() for p in tensors]
         self.numel = sum(sizes)
         self.params = torch.cat([p.detach().reshape(-1) for p in tensors]).float()
-        self.grad = torch.zeros_like(self.params)
+        self.grad_and_slot = self.params.new_zeros(self.numel + 1)
+        self.grad, self.slot = self.grad_and_slot[:-1], self.grad_and_slot[-1:]
         offset = 0
         offsets = [0]
         for p, n in zip(tensors, sizes):
@@ -90,6 +94,13 @@ class Replica:
             offsets.append(offset)
         self.boundaries = offsets
         self.optimizer = optimization.build(self.params)
+        self._ready: Callable[[int], None] | None = None  # see `compute_gradient`
+        for i, p in enumerate(tensors):
+            p.register_post_accumulate_grad_hook(functools.partial(self._gradient_done, i))
+
+    def _gradient_done(self, i: int, _param) -> None:
+        if self._ready is not None:
+            self._ready(i)
 
     @property
     def grad_bytes(self) -> int:
@@ -107,17 +118,36 @@ class Replica:
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
         return torch.autocast(self.params.device.type, dtype=dtype)
 
-    def compute_gradient(self, batches: list) -> float:
+    def buckets(self, bucket_bytes: int) -> list[tuple[int, int]]:
+        """The flat gradient cut into buckets for all-reduces that overlap backward, in the
+        order backward finishes them (last parameter tensor first, as DDP orders its buckets):
+        [lo, hi) ranges of whole tensors of `grad_and_slot`, each closed once it holds
+        `bucket_bytes` or more (0: a bucket per tensor); the first one also holds `slot`."""
+        buckets, hi = [], self.numel + 1
+        for lo in reversed(self.boundaries[:-1]):
+            if (hi - lo) * self.grad.element_size() >= bucket_bytes:
+                buckets.append((lo, hi))
+                hi = lo
+        return buckets + [(0, hi)] if hi else buckets
+
+    def compute_gradient(self, batches: list, ready: Callable[[int], None] | None = None) -> float:
         """Forward and backward of `loss_fn` on the micro-batches of one step (each what the
         collate function makes, on this replica's device), accumulated: the gradient of their
-        mean loss is left in `self.grad` (overwritten, not added to). Returns that mean loss."""
+        mean loss is left in `self.grad` (overwritten, not added to). Returns that mean loss.
+        `ready(i)`, when given, is called during the last micro-batch's backward as soon as
+        parameter tensor i's gradient (`self.grad[boundaries[i]:boundaries[i + 1]]`) is final
+        (not with fp16, whose loss scale is taken out after backward)."""
         self.grad.zero_()
         self.model.train()
         total = 0.0
-        for batch in batches:
+        for k, batch in enumerate(batches):
             with self._autocast():
                 loss = self.loss_fn(self.model, batch) / len(batches)
-            (loss if self.loss_scale is None else loss * self.loss_scale.scale).backward()
+            self._ready = ready if k == len(batches) - 1 and self.loss_scale is None else None
+            try:
+                (loss if self.loss_scale is None else loss * self.loss_scale.scale).backward()
+            finally:
+                self._ready = None
             total += loss.item()
         if self.loss_scale is not None:
             self.loss_scale.unscale(self.grad)

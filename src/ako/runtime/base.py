@@ -18,7 +18,7 @@ from collections.abc import Callable, Generator
 import torch
 
 from ako.data import fetch
-from ako.strategies.ops import Gradient, PartialGradient, PeerLost
+from ako.strategies.ops import Gradient, PartialGradient, PeerLost, ReducedGradient
 
 GradientFn = Callable[[list, int, float], Generator]
 
@@ -64,6 +64,19 @@ def compute(state, gradient: GradientFn) -> Generator:
     loss = yield from gradient(batches, samples, straggler_factor(state))
     state.computed(loss)
     return Gradient(state.replica.grad, loss, samples)
+
+
+def compute_all_reduce(state, gradient: GradientFn) -> Generator:
+    """`ops.ComputeAllReduce`: `compute`, with the stop vote (once this step's mini-batch is
+    taken) in the replica's slot; `gradient` also sums the gradient and the slot over every
+    worker. Returns a `ReducedGradient`."""
+
+    def voted(batches: list, samples: int, slow: float):
+        state.replica.slot.fill_(float(state.should_stop()))
+        return (yield from gradient(batches, samples, slow))
+
+    g = yield from compute(state, voted)
+    return ReducedGradient(g.grad, g.loss, g.samples, stopping=round(state.replica.slot.item()))
 
 
 def compute_partial(

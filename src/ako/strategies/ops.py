@@ -32,6 +32,22 @@ class Compute:
 
 
 @dataclass(frozen=True)
+class ComputeAllReduce:
+    """`Compute` whose gradient is summed over all workers by all-reduces that overlap backward,
+    as DistributedDataParallel's reducer does (Li et al., "PyTorch Distributed", VLDB 2020,
+    section 3.2.3): the flat gradient is cut into buckets of whole parameter tensors of about
+    `bucket_bytes` (`Replica.buckets`), and each bucket's all-reduce starts as soon as backward
+    has finished its gradients, while backward goes on with the rest. Every worker must yield it
+    at the same point of its program (it is a collective). Result: `ReducedGradient`.
+
+    Simulated runtime: bucket j's gradient is ready at the fraction `Costs.ready` gives of the
+    worker's compute time, and its ring all-reduce is booked from when the last worker had it
+    ready (and the links were free)."""
+
+    bucket_bytes: int = 256 << 10
+
+
+@dataclass(frozen=True)
 class Gradient:
     """Result of `Compute`: `grad` (numel,) is the replica's gradient buffer, valid until the
     next `Compute`; `loss` is the mini-batch mean loss; `samples` the mini-batch size."""
@@ -39,6 +55,17 @@ class Gradient:
     grad: torch.Tensor
     loss: float
     samples: int
+
+
+@dataclass(frozen=True)
+class ReducedGradient(Gradient):
+    """Result of `ComputeAllReduce`: `grad` (numel,) is the SUM of every worker's gradient
+    (`loss` and `samples` stay this worker's own); `stopping` is how many workers were
+    stopping (`WorkerContext.stopping`) when their computation began: the stop vote, which
+    rides in the first bucket, so that synchronous workers agree on their last step at no
+    cost."""
+
+    stopping: int = 0
 
 
 @dataclass(frozen=True)

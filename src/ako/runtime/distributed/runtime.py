@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ako.data import fetch, to_device
 from ako.run.outcome import rank_report
 from ako.run.worker import WorkerState
-from ako.runtime.base import compute, compute_partial, drive, run_blocking
+from ako.runtime.base import compute, compute_all_reduce, compute_partial, drive, run_blocking
 from ako.runtime.distributed import checkpoint
 from ako.runtime.distributed.mailbox import Mailbox, comm_error
 from ako.strategies import ops
@@ -96,6 +96,7 @@ class DistributedRuntime:
         self.state: WorkerState | None = None
         self.clock = WallClock()
         self.checkpoints: checkpoint.Checkpoints | None = None  # with --checkpoint-every
+        self._buckets: dict[int, _Buckets] = {}  # by bucket bytes, for `ops.ComputeAllReduce`
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.limit))
         peers = [r for r in range(world_size) if r != rank]
         self.mailbox = Mailbox(rank, peers, group, timeout, self._stop_requested, self._checkpoint_called, workers)
@@ -141,6 +142,8 @@ class DistributedRuntime:
         match op:
             case ops.Compute():
                 return (yield from compute(self.state, self._gradient))
+            case ops.ComputeAllReduce(bucket_bytes):
+                return (yield from compute_all_reduce(self.state, lambda batches, samples, slow: self._gradient(batches, samples, slow, bucket_bytes)))
             case ops.ComputePartial(micro_batch, stop_tag, iteration):
                 return (yield from compute_partial(self.state, self._gradient, self._told_to_stop, micro_batch, stop_tag, iteration))
             case ops.Send(tensor, dst, tag, step, aux):
@@ -197,16 +200,26 @@ class DistributedRuntime:
         messages = self.mailbox.poll(tag, tolerant=self.survives_loss)
         return any(m.step == iteration for m in messages)
 
-    def _gradient(self, batches: list, samples: int, slow: float):
-        """Gradient of one step's micro-batches into the replica's buffer; a straggler then
-        waits (slow - 1) times the compute time it took (the cluster model of docs/design.md).
-        Returns the loss."""
+    def _gradient(self, batches: list, samples: int, slow: float, bucket_bytes: int | None = None):
+        """Gradient of one step's micro-batches into the replica's buffer; returns the loss.
+        A straggler's computation takes `slow` times as long (the cluster model of
+        docs/design.md): it waits (slow - 1) times the compute time so far before each bucket's
+        all-reduce starts and at the end. With `bucket_bytes` (`ops.ComputeAllReduce`) the
+        gradient is summed over all workers by bucketed all-reduces that start during backward."""
         yield from ()  # a generator, as `base.compute` takes one, that never yields: real time passes here
         batches = [to_device(b, self.device) for b in batches]
-        start = time.perf_counter()
-        loss = self.state.replica.compute_gradient(batches)
-        if slow > 1.0:
-            time.sleep((slow - 1.0) * (time.perf_counter() - start))
+        replica, dilate = self.state.replica, _Dilation(slow)
+        if bucket_bytes is None:
+            loss = replica.compute_gradient(batches)
+            dilate()
+            return loss
+        if bucket_bytes not in self._buckets:
+            self._buckets[bucket_bytes] = _Buckets(self, replica, bucket_bytes)
+        buckets = self._buckets[bucket_bytes]
+        buckets.begin(dilate)
+        loss = replica.compute_gradient(batches, ready=buckets.ready)
+        dilate()
+        buckets.finish()
         return loss
 
     def _to_device(self, message):
@@ -307,6 +320,55 @@ class DistributedRuntime:
     def close(self) -> None:
         """Say goodbye to every peer and wait for theirs (at most `timeout` seconds)."""
         self.mailbox.close(self.timeout)
+
+
+class _Dilation:
+    """A straggler's clock: calling it sleeps until `slow` times the compute time since it was
+    made has passed (the time it slept itself not counted as compute)."""
+
+    def __init__(self, slow: float):
+        self.slow, self.start, self.slept = slow, time.perf_counter(), 0.0
+
+    def __call__(self) -> None:
+        if self.slow > 1.0:
+            owed = (self.slow - 1.0) * (time.perf_counter() - self.start - self.slept) - self.slept
+            if owed > 0:
+                time.sleep(owed)
+                self.slept += owed
+
+
+class _Buckets:
+    """The all-reduces of each `ops.ComputeAllReduce` (`begin` for each step): bucket j
+    (`Replica.buckets`) starts once backward has finished each of its tensors and buckets
+    0..j-1 have started (every worker starts them in the same order); `finish` starts the rest
+    (tensors backward did not reach) and waits for them all. `before_start` is called before
+    each start (a straggler's delay)."""
+
+    def __init__(self, runtime: DistributedRuntime, replica, bucket_bytes: int):
+        self.runtime, self.grad = runtime, replica.grad_and_slot
+        self.spans = replica.buckets(bucket_bytes)
+        starts = [lo for lo, _ in self.spans]
+        self.bucket_of = [next(j for j, lo in enumerate(starts) if b >= lo) for b in replica.boundaries[:-1]]
+        self.sizes = [self.bucket_of.count(j) for j in range(len(self.spans))]
+
+    def begin(self, before_start) -> None:
+        self.before_start, self.pending, self.handles = before_start, list(self.sizes), []
+
+    def ready(self, tensor: int) -> None:
+        self.pending[self.bucket_of[tensor]] -= 1
+        while len(self.handles) < len(self.spans) and self.pending[len(self.handles)] == 0:
+            self._start()
+
+    def _start(self) -> None:
+        self.before_start()
+        lo, hi = self.spans[len(self.handles)]
+        self.handles.append(self.runtime.all_reduce(self.grad[lo:hi], wait=False))
+
+    def finish(self) -> None:
+        while len(self.handles) < len(self.spans):
+            self._start()
+        for handle in self.handles:
+            self.runtime._wait(handle)
 
 
 def _encode(report: dict) -> torch.Tensor:

@@ -10,12 +10,15 @@ A profile is a small TOML file that `ako simulate --profile` takes:
     gpu_seconds_per_sample = 2.1e-05  # only where CUDA is present
     gpu = "NVIDIA H200"
     shared_seconds_per_sample = [0.00037, 0.00041, 0.00062, 0.00081]  # only with --processes 4
+    gradient_ready = [1.0, 0.98, 0.99, 0.97, 0.42, 0.41, 0.38, 0.37]  # per parameter tensor
 
 Seconds per sample are forward+backward (and the flat gradient) of one mini-batch, divided by
 its size: the median of `repeats` timed steps after two warm-up steps. With `processes` N > 1,
 `shared_seconds_per_sample[k-1]` is the median over k processes timing at once (k = 1..N, one
 thread each, as `ako train` runs k workers here): a profile of this machine as the cluster
 itself, which `ako simulate` then models as one host whose cores the workers share.
+`gradient_ready[i]`: the fraction of forward+backward after which parameter tensor i's gradient
+is final (the median over the timed steps), for all-reduces that overlap backward.
 """
 
 from __future__ import annotations
@@ -63,6 +66,27 @@ def measure_seconds_per_sample(
         torch.set_num_threads(before)
 
 
+def measure_gradient_ready(job: Job, data, repeats: int = 20) -> list[float]:
+    """Per parameter tensor (in the model's order), the median fraction of forward+backward on
+    one CPU thread after which its gradient is final (`Replica.compute_gradient`'s `ready`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        replica = job.build_replica(data, torch.device("cpu"))
+        batch = fetch(data.train, torch.arange(job.config.batch_size), data.collate_fn)
+        fractions = []
+        for i in range(repeats + 2):
+            times = {}
+            start = time.perf_counter()
+            replica.compute_gradient([batch], ready=lambda k: times.setdefault(k, time.perf_counter()))
+            span = time.perf_counter() - start
+            if i >= 2:
+                fractions.append([(times.get(k, start + span) - start) / span for k in range(len(replica.boundaries) - 1)])
+        return [round(statistics.median(column), 4) for column in zip(*fractions)]
+    finally:
+        torch.set_num_threads(before)
+
+
 def _timed_together(config: TrainConfig, repeats: int, barrier, results) -> None:
     job = Job(config)
     data = job.load_data()
@@ -103,6 +127,7 @@ def calibrate(config: TrainConfig, out: str | None = None, repeats: int = 20, pr
         "batch_size": config.batch_size,
         "threads": 1,
         "seconds_per_sample": measure_seconds_per_sample(job, data, torch.device("cpu"), repeats),
+        "gradient_ready": measure_gradient_ready(job, data, repeats),
     }
     if torch.cuda.is_available():
         gpu = torch.device("cuda", 0)
@@ -136,6 +161,9 @@ def load_profile(path: str, config: TrainConfig, dataset: str | None = None) -> 
     shared = profile.get("shared_seconds_per_sample", [])
     if not isinstance(shared, list) or not all(_time(t) for t in shared):
         raise ConfigError(f"profile {path!r}: shared_seconds_per_sample must be a list of numbers >= 0")
+    ready = profile.get("gradient_ready", [])
+    if not isinstance(ready, list) or not all(_time(f) and f <= 1 for f in ready):
+        raise ConfigError(f"profile {path!r}: gradient_ready must be a list of fractions from 0 to 1")
     wanted = {"model": config.model, "batch_size": config.batch_size, "dataset": dataset or config.dataset}
     for key, value in wanted.items():
         if key in profile and profile[key] != value:

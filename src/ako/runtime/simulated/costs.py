@@ -18,6 +18,11 @@
   from the moment the last worker arrives and every member's links are free; it holds every
   member's uplink and downlink for the transfer, 2 (n-1)/n x bytes / B (the links are free
   while a hop's latency passes, so all-reduces in flight at once pipeline).
+- All-reduce overlapping backward (`ops.ComputeAllReduce`): bucket j's gradient is final at
+  start + fraction_j x the worker's compute time, fraction_j the largest of its tensors'
+  `gradient_ready` fractions (measured by `ako calibrate`; without them, forward takes the first
+  third and backward finishes the tensors last-first at equal intervals over the rest). Each
+  bucket's ring all-reduce is booked, in order, from the latest of the members' ready times.
 A bandwidth of infinity makes transfers free (latency still counts).
 - Shared host (optional, `Costs.shared`): every worker runs on one machine, as `ako train`
   runs them locally, and the computations running at once share its cores by processor
@@ -40,17 +45,33 @@ class Costs:
     """Cost-model constants: `seconds_per_sample` (forward+backward, one worker, seconds),
     `bandwidth` (bytes/s of every up- and downlink; inf = free) and `latency` (seconds added to
     every message), `shared` (seconds per sample when 1, 2, ... workers compute at once on one
-    shared machine; empty: every worker has a machine of its own). Raises ValueError for
-    negative values or a bandwidth <= 0."""
+    shared machine; empty: every worker has a machine of its own), `gradient_ready` (per
+    parameter tensor, in the model's order, the fraction of a step's compute time after which
+    its gradient is final; empty: the default of the module docstring). Raises ValueError for
+    negative values, fractions above 1 or a bandwidth <= 0."""
 
     seconds_per_sample: float
     bandwidth: float = math.inf
     latency: float = 0.0
     shared: tuple[float, ...] = ()
+    gradient_ready: tuple[float, ...] = ()
 
     def __post_init__(self):
-        if min((self.seconds_per_sample, self.latency, *self.shared)) < 0 or not self.bandwidth > 0:
+        if min((self.seconds_per_sample, self.latency, *self.shared, *self.gradient_ready)) < 0 or not self.bandwidth > 0:
             raise ValueError(f"bad costs {self}: times must be >= 0 and bandwidth > 0")
+        if any(f > 1 for f in self.gradient_ready):
+            raise ValueError(f"bad costs {self}: gradient_ready fractions must be at most 1")
+
+    def bucket_ready(self, boundaries: list[int], buckets: list[tuple[int, int]]) -> list[float]:
+        """The fraction of a step's compute time after which each bucket's gradient is final.
+        `boundaries`: the replica's tensor offsets (`Replica.boundaries`); `buckets`: its
+        [lo, hi) ranges (`Replica.buckets`). Raises ValueError when `gradient_ready` was
+        measured for another number of tensors."""
+        m = len(boundaries) - 1
+        ready = self.gradient_ready or tuple(1 / 3 + 2 / 3 * (m - i) / m for i in range(m))
+        if len(ready) != m:
+            raise ValueError(f"gradient_ready has {len(ready)} fractions, the model {m} parameter tensors")
+        return [max(f for f, b in zip(ready, boundaries) if lo <= b < hi) for lo, hi in buckets]
 
     def shared_seconds_per_sample(self, k: int) -> float:
         """Seconds per sample of each of `k` >= 1 computations running at once on the shared host."""

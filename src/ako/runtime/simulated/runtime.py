@@ -14,7 +14,8 @@ out the operations of `ako.strategies.ops` as the distributed runtime does, with
   takes what has been delivered. Messages are not copied: receivers of one `Send` tensor sent
   to several peers share it (the programs do not modify those).
 - `AllReduce` waits for every worker, then reduces their tensors for real (in rank order) and
-  resumes them all when the ring all-reduce's modelled time has passed. Each worker's k-th
+  resumes them all when the ring all-reduce's modelled time has passed. `ComputeAllReduce` is
+  `Compute` and then that, with each bucket booked from when every worker had it ready. Each worker's k-th
   all-reduce joins the k-th collective; one started with `wait=False` resumes its worker at
   once, and `Wait` holds it until that collective is over.
 - `MeasureStep` and `MeasureBandwidth` return the cost model's
@@ -33,7 +34,7 @@ from dataclasses import dataclass, field
 import simpy
 import torch
 
-from ako.runtime.base import compute, compute_partial, drive
+from ako.runtime.base import compute, compute_all_reduce, compute_partial, drive
 from ako.runtime.simulated.costs import Costs, Network, SharedHost
 from ako.runtime.simulated.gradients import Gradients
 from ako.runtime.simulated.progress import Progress
@@ -126,6 +127,7 @@ class _Collective:
 
     done: simpy.Event
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)
+    ready: dict[int, list[float]] = field(default_factory=dict)  # bucketed: each bucket's ready time, by rank
     arrived: float = 0.0
     end: float = 0.0
 
@@ -143,6 +145,7 @@ class SimulatedRuntime:
         self.host = SharedHost(env, costs) if costs.shared else None
         self.nodes = [Node(rank, SimClock(env)) for rank in range(world)]
         self.collectives: dict[int, _Collective] = {}  # by sequence number, until every worker is in
+        self._bucket_plans: dict[int, tuple[list, list[float]]] = {}  # by bucket bytes: buckets, ready fractions
 
     @property
     def forward_backward(self) -> float:
@@ -163,6 +166,9 @@ class SimulatedRuntime:
         match op:
             case ops.Compute():
                 gradient = yield from compute(node.state, lambda batches, samples, slow: self._gradient(node, batches, samples, slow))
+                return self._stepped(gradient)
+            case ops.ComputeAllReduce(bucket_bytes):
+                gradient = yield from compute_all_reduce(node.state, lambda batches, samples, slow: self._gradient_reduced(node, batches, samples, slow, bucket_bytes))
                 return self._stepped(gradient)
             case ops.ComputePartial(micro_batch, stop_tag, iteration):
                 return self._stepped((yield from compute_partial(
@@ -209,6 +215,21 @@ class SimulatedRuntime:
         filed = self.gradients.file(node.state.replica, batches)
         yield from self._busy(node, samples, slow)
         return self.gradients.take(filed)
+
+    def _gradient_reduced(self, node: Node, batches: list, samples: int, slow: float, bucket_bytes: int):
+        """`_gradient`, then the sum over every worker by bucketed all-reduces that overlap
+        backward (`ops.ComputeAllReduce`; their times in `costs` module docstring)."""
+        replica = node.state.replica
+        start = self.env.now
+        loss = yield from self._gradient(node, batches, samples, slow)
+        if bucket_bytes not in self._bucket_plans:
+            buckets = replica.buckets(bucket_bytes)
+            self._bucket_plans[bucket_bytes] = (buckets, self.costs.bucket_ready(replica.boundaries, buckets))
+        buckets, ready = self._bucket_plans[bucket_bytes]
+        span = self.env.now - start
+        c = self.start_all_reduce(node, replica.grad_and_slot, "sum", (buckets, [start + span * f for f in ready]))
+        yield from self.wait(node, c)
+        return loss
 
     def _busy(self, node: Node, samples: int, slow: float):
         """Hold `node` for the compute time of `samples` samples at straggler factor `slow`."""
@@ -268,18 +289,28 @@ class SimulatedRuntime:
             node.blocked(since, envelope.sent_at, self.env.now)
         return envelope.message
 
-    def start_all_reduce(self, node: Node, tensor: torch.Tensor, reduce: str) -> _Collective:
+    def start_all_reduce(self, node: Node, tensor: torch.Tensor, reduce: str, buckets=None) -> _Collective:
         """Join `node`'s next collective with `tensor`. When every worker is in, reduce their
         tensors in rank order into each of them and book the ring all-reduce
-        (`Network.all_reduce`), whose end fires the collective's `done`."""
+        (`Network.all_reduce`), whose end fires the collective's `done`. `buckets`: ([lo, hi)
+        ranges, the virtual time each was ready on `node`), for all-reduces that overlapped
+        backward: each range is booked, in order, from the last member's ready time."""
         seq, node.collectives = node.collectives, node.collectives + 1
         c = self.collectives.setdefault(seq, _Collective(self.env.event()))
         c.tensors[node.rank] = tensor
+        if buckets is not None:
+            c.ready[node.rank] = buckets[1]
         if len(c.tensors) == self.workers:
             del self.collectives[seq]
-            self._reduce(list(c.tensors[r] for r in sorted(c.tensors)), reduce)
-            nbytes = tensor.numel() * tensor.element_size()
-            _, c.end = self.network.all_reduce(self.env.now, sorted(c.tensors), nbytes)
+            members = sorted(c.tensors)
+            self._reduce([c.tensors[r] for r in members], reduce)
+            size = tensor.element_size()
+            spans = [(0, tensor.numel(), self.env.now)] if buckets is None else [
+                (lo, hi, max(c.ready[r][j] for r in members)) for j, (lo, hi) in enumerate(buckets[0])
+            ]  # fmt: skip
+            c.end = self.env.now
+            for lo, hi, at in spans:
+                c.end = max(c.end, self.network.all_reduce(at, members, (hi - lo) * size)[1])
             c.arrived = self.env.now
             self.env.timeout(c.end - self.env.now).callbacks.append(lambda _: c.done.succeed())
         return c
