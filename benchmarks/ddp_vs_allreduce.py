@@ -10,6 +10,7 @@ absent); each figure is the median over `repeats` runs, alternating the two.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from datetime import timedelta
@@ -29,8 +30,10 @@ WORKERS, BATCH = 2, 64
 def ddp_worker(dataset: str, steps: int) -> float:
     """One DDP worker; returns samples/s over `steps` steps (rank 0's clock, after a barrier)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = timedelta(seconds=60)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, timeout)  # the launcher's
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     split = load_dataset(dataset)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(build_model("cnn", split.input_shape, split.num_classes))

@@ -26,7 +26,9 @@ def _why_not() -> str | None:
 @pytest.mark.skipif(_why_not() is not None, reason=_why_not() or "")
 def test_two_hosts_over_a_limited_delayed_link(tmp_path):
     rate = 10e6 / 8  # bytes/s
-    cmd = [sys.executable, str(SCRIPT), "--hosts", "2", "--rate", "10mbit", "--delay", "2ms", "--timeout", "240", "--",
+    stats = tmp_path / "stats.json"
+    cmd = [sys.executable, str(SCRIPT), "--hosts", "2", "--rate", "10mbit", "--delay", "2ms", "--timeout", "240",
+           "--stats", str(stats), "--",
            "--strategy", "allreduce", "--dataset", "digits", "--batch-size", "32", "--epochs", "2",
            "--eval-every", "1", "--out-dir", str(tmp_path), "--no-progress"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -38,5 +40,9 @@ def test_two_hosts_over_a_limited_delayed_link(tmp_path):
     step_bytes = (22_602 + 1) * 4
     assert summary["bytes_sent_per_worker_per_second"] <= rate
     assert summary["train_seconds"] >= summary["iterations"] * step_bytes / rate
+    # every host's eth0 carried at least the payload it sent (plus headers and the rendezvous)
+    sent = summary["bytes_sent_per_worker_per_second"] * summary["train_seconds"]
+    hosts = json.loads(stats.read_text())
+    assert sorted(hosts) == ["1", "2"] and all(h["tx"]["bytes"] >= sent and h["rx"]["bytes"] >= sent for h in hosts.values())
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "ako-" not in namespaces  # removed afterwards

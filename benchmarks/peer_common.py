@@ -1,0 +1,166 @@
+"""What every peer arm of `benchmarks/peers.py` shares with ako's own runs: the cnn on
+Fashion-MNIST, initialised from the seed as `ako train` initialises it; the same shards and
+mini-batches (`ako.data.ShardSampler`); ako's default optimizer (SGD, lr 0.1 of the averaged
+gradient, Nesterov momentum 0.9, weight decay 5e-4); the same straggler (a worker that sleeps
+(factor - 1) times its forward+backward time each step, as `ako train --straggler` does: here
+the median of 5 steps measured before training, slept between forward and backward, so that
+the peer's communication, which runs in or after backward, waits for it as for a slow machine);
+and the same evaluation (rank 0 snapshots its replica every `--eval-every` epochs and
+the snapshots are evaluated on the test set after training, so that evaluating does not slow
+training).
+
+A peer arm is a script that each worker process runs (under torchrun, or as the peer's own
+documentation launches it), with `add_arguments`'s flags; rank 0 writes the arm's result as JSON
+to `--out`: {"arm", "workers", "records": [{"seconds", "epoch", "samples", "accuracy", "loss"}],
+"train_seconds", "samples_per_second", "bytes_sent_per_worker_per_second" (payload bytes the arm
+counted itself; null when it cannot count them), "steps"}.
+
+This module needs only torch and ako: it runs in ako's virtualenv and in the peers' one
+(`benchmarks/peers_venv.sh`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ako.data import ShardSampler, fetch, load_dataset
+from ako.metrics import write_atomic
+from ako.models import build_model
+
+DATASET = "fashion-mnist"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every arm takes (peers.py passes the same values to every arm and to ako)."""
+    parser.add_argument("--epochs", type=float, default=2.0)
+    parser.add_argument("--batch-size", type=int, default=64, help="per worker")
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-every", type=float, default=0.1, help="epochs between rank 0's snapshots")
+    parser.add_argument("--straggler", default="", help="rank=R,factor=K: worker R is K times slower")
+    parser.add_argument("--train-samples", type=int, default=None, help="only the first k training examples")
+    parser.add_argument("--test-samples", type=int, default=None)
+    parser.add_argument("--out", required=True, help="rank 0 writes the result here (JSON)")
+
+
+def parse_straggler(text: str) -> tuple[int, float]:
+    """`rank=R,factor=K` -> (R, K); "" -> (-1, 1.0)."""
+    if not text:
+        return -1, 1.0
+    fields = dict(part.split("=", 1) for part in text.split(","))
+    return int(fields["rank"]), float(fields["factor"])
+
+
+class Trainer:
+    """One worker's data, model, optimizer, straggler delay and rank 0's snapshots.
+
+    `rank` and `world` are this worker's place among the data-parallel workers (for torchft and
+    Hivemind, where every worker is its own replica group, not torch.distributed's rank)."""
+
+    def __init__(self, args, rank: int, world: int):
+        torch.set_num_threads(1)
+        self.args, self.rank, self.world = args, rank, world
+        self.split = load_dataset(DATASET, train_samples=args.train_samples, test_samples=args.test_samples)
+        torch.manual_seed(args.seed)  # as ako.run.job.Job.build_model
+        self.model = build_model("cnn", self.split.input_shape, self.split.num_classes)
+        self.sampler = ShardSampler(len(self.split.train), rank, world, args.batch_size, args.seed)
+        self.steps = max(1, round(args.epochs * self.sampler.steps_per_epoch))
+        self.snapshot_every = max(1, round(args.eval_every * self.sampler.steps_per_epoch))
+        self.slow_rank, self.factor = parse_straggler(args.straggler)
+        self.delay = (self.factor - 1) * self.compute_seconds() if rank == self.slow_rank else 0.0
+        self.snapshots: list[tuple[float, int, torch.Tensor]] = []  # (training seconds, step, params)
+        self.start = time.perf_counter()
+
+    def optimizer(self, params=None) -> torch.optim.Optimizer:
+        """ako's default optimizer for `params` (default: the model's)."""
+        params = self.model.parameters() if params is None else params
+        return torch.optim.SGD(params, lr=self.args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step `step`'s mini-batch of this worker: images (B, 1, 28, 28), labels (B,)."""
+        return fetch(self.split.train, self.sampler.batch(step))
+
+    def loss(self, model, step: int) -> torch.Tensor:
+        x, y = self.batch(step)
+        return F.cross_entropy(model(x), y)
+
+    def begin(self) -> None:
+        """Training starts now (after every worker has joined)."""
+        self.start = time.perf_counter()
+
+    def compute_seconds(self, repeats: int = 5) -> float:
+        """Median seconds of forward+backward of one mini-batch on a copy of the model."""
+        model = copy.deepcopy(self.model)
+        times = []
+        for step in range(repeats + 1):
+            start = time.perf_counter()
+            self.loss(model, step).backward()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:])
+
+    def straggle(self) -> None:
+        """The straggler's delay (nothing on other workers); call it between forward and backward."""
+        if self.delay:
+            time.sleep(self.delay)
+
+    def after_step(self, step: int, model=None) -> None:
+        """Rank 0 snapshots `model` (default: the trainer's) after steps that end an
+        evaluation period and after the last step. `step` counts from 1."""
+        if self.rank == 0 and (step % self.snapshot_every == 0 or step == self.steps):
+            params = torch.cat([p.detach().reshape(-1) for p in (model or self.model).parameters()])
+            self.snapshots.append((time.perf_counter() - self.start, step, params.clone()))
+
+    def finish(self, arm: str, bytes_sent: int | None, model=None, facts: dict | None = None) -> dict | None:
+        """Rank 0: evaluate the snapshots and write the result to `--out`; returns it (None
+        elsewhere). `bytes_sent`: this worker's payload bytes sent, or None."""
+        if self.rank != 0:
+            return None
+        seconds = time.perf_counter() - self.start
+        model = model or self.model
+        records = []
+        for at, step, params in self.snapshots:
+            torch.nn.utils.vector_to_parameters(params, model.parameters())
+            records.append({"seconds": round(at, 4), "epoch": step / self.sampler.steps_per_epoch,
+                            "samples": step * self.world * self.args.batch_size, **evaluate(model, self.split.test)})  # fmt: skip
+        result = {
+            "arm": arm, "workers": self.world, "steps": self.steps, "records": records,
+            "train_seconds": round(seconds, 3),
+            "samples_per_second": self.steps * self.world * self.args.batch_size / seconds,
+            "bytes_sent_per_worker_per_second": None if bytes_sent is None else bytes_sent / seconds,
+            **(facts or {}),
+        }  # fmt: skip
+        write_atomic(Path(self.args.out), json.dumps(result, indent=1))
+        return result
+
+
+@torch.no_grad()
+def evaluate(model, test_set, batch_size: int = 1000) -> dict:
+    """Mean test loss and accuracy of `model` over `test_set`."""
+    model.eval()
+    loss = correct = 0.0
+    for idx in torch.arange(len(test_set)).split(batch_size):
+        x, y = fetch(test_set, idx)
+        logits = model(x)
+        loss += F.cross_entropy(logits, y, reduction="sum").item()
+        correct += (logits.argmax(1) == y).sum().item()
+    model.train()
+    return {"loss": loss / len(test_set), "accuracy": correct / len(test_set)}
+
+
+def env_rank() -> tuple[int, int]:
+    """(rank, world size) as torchrun sets them."""
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def time_to(records: list[dict], level: float) -> float | None:
+    """Training seconds of the first record at or above `level` accuracy (None: never)."""
+    return next((r["seconds"] for r in records if r["accuracy"] >= level), None)

@@ -1,0 +1,246 @@
+"""ako against what users would pick instead, side by side in one run: the same cnn on
+Fashion-MNIST, per-worker batch 64, SGD at lr 0.1 (Nesterov momentum 0.9, weight decay 5e-4),
+seed and shards (`peer_common.py`), the same number of workers, 2 epochs each.
+
+Arms: ako's `ako`, `allreduce` and `gossip` (`ako train`, defaults), and the peers, each run as
+its documentation shows it: PyTorch DDP plain, with PowerSGD (rank 1 and 4) and post-local SGD
+(`peer_torch.py`, under torchrun), Hivemind (`peer_hivemind.py`) and torchft (`peer_torchft.py`)
+in their own virtualenv (`peers_venv.sh`, made when missing). Before timing, each of those two
+trains a few steps on 2 workers and must lower its loss; one that cannot install or run here is
+left out with one line saying why.
+
+Settings: `loopback` (the workers as processes of this machine), `netcluster` (one worker per
+host of `scripts/netcluster`, links of `--rate` each way; needs root) and `straggler` (that,
+with worker `--slow-rank` slowed `--factor` times: ako's `--straggler`, and for the peers a
+sleep of the same size in their training loop). Prints, per arm: time to 85% test accuracy
+(rank 0's replica, training seconds; snapshots are evaluated after training), accuracy after
+the 2 epochs, samples/s, MB sent per worker per second (payload as the arm counts it; on
+netcluster also every host's eth0 bytes, headers included), and time to 85% over the best
+peer's. Medians over `--seeds`.
+
+    .venv/bin/python benchmarks/peers.py [--settings loopback,netcluster,straggler] [--seeds 1]
+        [--arms ako,allreduce,...] [--workers 4] [--epochs 2] [--rate 100mbit] [--factor 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+AKO_ARMS = ("ako", "allreduce", "gossip")
+TORCH_ARMS = ("ddp", "powersgd-r1", "powersgd-r4", "post-local-sgd")
+VENV_ARMS = {"hivemind": "peer_hivemind.py", "torchft": "peer_torchft.py"}
+ARMS = AKO_ARMS + TORCH_ARMS + tuple(VENV_ARMS)
+PEERS = TORCH_ARMS + tuple(VENV_ARMS)
+LEVEL = 0.85
+NETCLUSTER = ROOT / "scripts" / "netcluster"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def common_args(args, seed: int, straggler: bool) -> list[str]:
+    slow = ["--straggler", f"rank={args.slow_rank},factor={args.factor:g}"] if straggler else []
+    return ["--epochs", str(args.epochs), "--seed", str(seed), "--eval-every", "0.1", *slow]
+
+
+def command(arm: str, args, setting: str, seed: int, out: Path) -> tuple[list[str], dict]:
+    """The command line that runs `arm` in `setting` (and extra environment), writing to `out`."""
+    straggler = setting == "straggler"
+    common = common_args(args, seed, straggler)
+    n = args.workers
+    if arm in AKO_ARMS:
+        program = ["--strategy", arm, "--workers", str(n), "--dataset", "fashion-mnist", "--batch-size", "64",
+                   "--lr", "0.1", *common, "--out-dir", str(out), "--no-progress"]  # fmt: skip
+        if setting == "loopback":
+            return [sys.executable, "-m", "ako", "train", *program], {}
+        return [*netcluster(args), "--", *program], {}
+    script = HERE / ("peer_torch.py" if arm in TORCH_ARMS else VENV_ARMS[arm])
+    program = [*(["--arm", arm] if arm in TORCH_ARMS else []), *common, "--out", str(out / "result.json")]
+    python = sys.executable if arm in TORCH_ARMS else str(args.peers_venv / "bin" / "python")
+    if setting != "loopback":
+        launcher = "torchrun" if arm in TORCH_ARMS else "env"
+        return [*netcluster(args), "--script", str(script), "--launcher", launcher, "--python", python, "--", *program], {}
+    if arm in TORCH_ARMS:
+        return [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), str(script), *program], {}
+    return [python, str(script), *program], {"WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+
+
+def netcluster(args) -> list[str]:
+    return [sys.executable, str(NETCLUSTER), "--hosts", str(args.workers), "--rate", args.rate,
+            "--stats", str(args.stats_file), "--timeout", str(args.timeout)]  # fmt: skip
+
+
+def launch(cmd: list[str], env: dict, workers: int, log, timeout: float) -> int:
+    """Run `cmd` once, or, with RANK unset in `env` but WORLD_SIZE set, once per rank (the
+    peers that find each other themselves); returns the first non-zero exit status, or 0."""
+    ranks = range(workers) if env else [None]
+    procs = []
+    try:
+        for r in ranks:
+            extra = {} if r is None else {**env, "RANK": str(r), "OMP_NUM_THREADS": "1"}
+            procs.append(subprocess.Popen(cmd, env={**os.environ, **extra}, stdout=log, stderr=subprocess.STDOUT,
+                                          cwd=ROOT, start_new_session=True))  # fmt: skip
+        deadline = time.monotonic() + timeout
+        codes = []
+        for p in procs:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        return next((c for c in codes if c), 0)
+    except subprocess.TimeoutExpired:
+        return 124
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+
+
+def result_of(arm: str, out: Path) -> dict:
+    """The arm's figures: tta, accuracy, samples/s, payload B/s per worker, train seconds."""
+    if arm in AKO_ARMS:
+        s = json.loads(max(out.glob("*/summary.json"), key=lambda p: p.stat().st_mtime).read_text())
+        return {"tta": s["time_to_accuracy"].get(str(LEVEL)), "accuracy": s["test_accuracy"],
+                "samples_per_second": s["samples_per_second"], "payload": s["bytes_sent_per_worker_per_second"],
+                "train_seconds": s["train_seconds"], "note": s.get("partitions_reason", "")}  # fmt: skip
+    r = json.loads((out / "result.json").read_text())
+    records = r["records"]
+    tta = next((x["seconds"] for x in records if x["accuracy"] >= LEVEL), None)
+    return {"tta": tta, "accuracy": records[-1]["accuracy"], "samples_per_second": r["samples_per_second"],
+            "payload": r["bytes_sent_per_worker_per_second"], "train_seconds": r["train_seconds"],
+            "note": str(r.get("settings", ""))}  # fmt: skip
+
+
+def run_arm(arm: str, args, setting: str, seed: int) -> dict | None:
+    out = Path(tempfile.mkdtemp(prefix=f"{arm}-{setting}-{seed}-", dir=args.out_dir))
+    cmd, env = command(arm, args, setting, seed, out)
+    with open(out / "log.txt", "w") as log:
+        code = launch(cmd, env, args.workers, log, args.timeout)
+    if code:
+        tail = (out / "log.txt").read_text().strip().splitlines()[-1:] or [""]
+        print(f"  {arm} ({setting}, seed {seed}) failed with status {code}: {tail[0][:200]} (log {out / 'log.txt'})")
+        return None
+    result = result_of(arm, out)
+    if setting != "loopback" and args.stats_file.exists():
+        hosts = json.loads(args.stats_file.read_text())
+        result["wire"] = statistics.mean(h["tx"]["bytes"] for h in hosts.values()) / result["train_seconds"]
+    print(f"  {arm:<15} {setting:<10} seed {seed}: time to 85% {fmt(result['tta'])}, accuracy {result['accuracy']:.4f}, "
+          f"{result['samples_per_second']:.0f} samples/s", flush=True)  # fmt: skip
+    return result
+
+
+def venv_arms_that_run(args) -> list[str]:
+    """Hivemind and torchft: make their virtualenv if needed, then each must train (a few
+    steps on 2 workers, loss down) before it is timed. Prints one line for each left out."""
+    wanted = [a for a in args.arms if a in VENV_ARMS]
+    if not wanted:
+        return []
+    made = subprocess.run(["bash", str(HERE / "peers_venv.sh"), str(args.peers_venv)], capture_output=True, text=True)
+    if made.returncode:
+        line = (made.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"  left out {', '.join(wanted)}: their virtualenv could not be made: {line}")
+        return []
+    running = []
+    for arm in wanted:
+        out = Path(tempfile.mkdtemp(prefix=f"{arm}-check-", dir=args.out_dir))
+        cmd = [str(args.peers_venv / "bin" / "python"), str(HERE / VENV_ARMS[arm]), "--check", "--out", str(out / "result.json")]
+        env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        with open(out / "log.txt", "w") as log:
+            code = launch(cmd, env, 2, log, 300)
+        lines = (out / "log.txt").read_text().strip().splitlines()
+        if code:
+            print(f"  left out {arm}: {lines[-1] if lines else f'status {code}'}")
+        else:
+            print(f"  {arm} trains: {next((line for line in reversed(lines) if 'loss' in line), 'checked')}")
+            running.append(arm)
+    return running
+
+
+def fmt(seconds: float | None) -> str:
+    return "not reached" if seconds is None else f"{seconds:.1f} s"
+
+
+def median(values: list) -> float | None:
+    """Median of the values; None when one of them is None (a run that did not reach 85%)."""
+    return None if not values or any(v is None for v in values) else statistics.median(values)
+
+
+def table(setting: str, results: dict[str, list[dict]], args) -> None:
+    rows = {arm: runs for arm, runs in results.items() if runs}
+    ttas = {arm: median([r["tta"] for r in runs]) for arm, runs in rows.items()}
+    peers = [t for arm, t in ttas.items() if arm in PEERS and t is not None]
+    best = min(peers) if peers else None
+    best_arm = next((a for a, t in ttas.items() if a in PEERS and t == best), None) if best else None
+    print(f"\n{setting}: {args.workers} workers, cnn on Fashion-MNIST, {args.epochs:g} epochs, "
+          f"median of {max(len(r) for r in rows.values()) if rows else 0} seed(s); best peer: {best_arm or 'none reached 85%'}")  # fmt: skip
+    print(f"{'arm':<15} {'time to 85%':>12} {'/ best peer':>11} {'accuracy':>9} {'samples/s':>10} "
+          f"{'MB/s sent':>10} {'wire MB/s':>10}  settings")  # fmt: skip
+    for arm, runs in rows.items():
+        tta = ttas[arm]
+        ratio = f"{tta / best:.2f}x" if tta is not None and best else "-"
+        payload = median([r["payload"] for r in runs])
+        wire = median([r.get("wire") for r in runs])
+        print(f"{arm:<15} {fmt(tta):>12} {ratio:>11} {statistics.median(r['accuracy'] for r in runs):>9.4f} "
+              f"{statistics.median(r['samples_per_second'] for r in runs):>10.0f} "
+              f"{'-' if payload is None else f'{payload / 1e6:.2f}':>10} {'-' if wire is None else f'{wire / 1e6:.2f}':>10}  "
+              f"{runs[0]['note'][:70]}")  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", default="loopback,netcluster,straggler")
+    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--epochs", type=float, default=2.0)
+    parser.add_argument("--rate", default="100mbit", help="netcluster: every link's rate, each way")
+    parser.add_argument("--factor", type=float, default=3.0, help="straggler: how many times slower")
+    parser.add_argument("--slow-rank", type=int, default=3, help="straggler: which worker")
+    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds one run may take")
+    parser.add_argument("--peers-venv", type=Path, default=ROOT / ".venv-peers")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "runs" / "peers")
+    parser.add_argument("--json", type=Path, help="also write every run's figures here")
+    args = parser.parse_args()
+    args.arms = args.arms.split(",")
+    settings = args.settings.split(",")
+    bad = [a for a in args.arms if a not in ARMS] + [s for s in settings if s not in ("loopback", "netcluster", "straggler")]
+    if bad:
+        print(f"peers: unknown {', '.join(map(repr, bad))}; arms: {', '.join(ARMS)}; settings: loopback, netcluster, straggler")
+        return 2
+    if any(s != "loopback" for s in settings) and os.geteuid() != 0:
+        print("peers: the netcluster settings need root (network namespaces and tc)")
+        return 2
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    args.stats_file = args.out_dir / "netcluster-stats.json"
+    running = set(a for a in args.arms if a not in VENV_ARMS) | set(venv_arms_that_run(args))
+    arms = [a for a in args.arms if a in running]
+    everything = {}
+    for setting in settings:
+        results = {arm: [] for arm in arms}
+        for seed in range(args.seeds):
+            for arm in arms:  # arms alternate within a seed, so that drift in the machine's speed spreads over them
+                args.stats_file.unlink(missing_ok=True)
+                result = run_arm(arm, args, setting, seed)
+                if result is not None:
+                    results[arm].append(result)
+        everything[setting] = results
+        table(setting, results, args)
+    if args.json:
+        args.json.write_text(json.dumps(everything, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
