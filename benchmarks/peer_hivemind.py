@@ -73,279 +73,35 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import multiprocessing as mp
 import os
-import shutil
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 
 START = time.perf_counter()
-ARM = "hivemind"
-PREFIX = f"peer_{ARM}"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-SETTINGS = {
-    "target_batch_size": 10240,
-    "matchmaking_time": 1.0,
-    "averaging_timeout": 5.0,
-}
-# --check: 2 workers, 4 epochs of 6400 samples (200 steps each, 4 Hivemind epochs of 50 steps), a
-# small test set and one snapshot an epoch: about 10 s of training.
-CHECK = {"workers": 2, "train_samples": 6400, "epochs": 6.0, "test_samples": 1000, "eval_every": 1.0,
-         "target_batch_size": 6400, "matchmaking_time": 0.5}
-COMMON_DEFAULTS = dict.fromkeys(("epochs", "train_samples", "test_samples", "eval_every"))  # add_arguments'
-
-
-class CannotRun(Exception):
-    """The arm cannot run here (exit 3)."""
-
-
-# ---- the same small helpers as peer_torchft.py ---------------------------------------------
-
-DEAD_AFTER = 10.0  # s: a worker whose heartbeat in the store stopped this long ago is gone
-
-
-def own_address(master: str) -> str:
-    """This host's address on the route to `master` (127.0.0.1 for a local master)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((socket.gethostbyname(master), 9))  # UDP: no packet is sent
-        return s.getsockname()[0]
-
-
-def connect_store(host: str, port: int, rank: int, world: int, timeout: float, master: bool | None = None):
-    """The job's TCPStore (rank 0 hosts it) within `timeout` s: the constructor's handshake has
-    no timeout of its own, so it runs on a daemon thread."""
-    from torch.distributed import TCPStore
-
-    result: list = []
-    master = rank == 0 if master is None else master
-
-    def connect():
-        try:
-            result.append(TCPStore(host, port, world, is_master=master, timeout=timedelta(seconds=timeout),
-                                   wait_for_workers=False))  # fmt: skip
-        except Exception as e:  # noqa: BLE001 - handed on below
-            result.append(e)
-
-    thread = threading.Thread(target=connect, daemon=True)
-    thread.start()
-    thread.join(timeout + 5)
-    if not result:
-        raise TimeoutError(f"no answer from the store at {host}:{port} within {timeout + 5:.0f} s")
-    if isinstance(result[0], Exception):
-        raise result[0]
-    return result[0]
-
-
-ENDING = threading.Event()  # set when this worker starts to leave: the store may go now
-
-
-def heartbeat(host: str, port: int, rank: int, world: int, timeout: float) -> None:
-    """Count `alive/<rank>` up in the store every second, on a thread with its own connection:
-    rank 0 tells a dead worker from a slow one by it. If the store goes before this worker
-    leaves, rank 0 is gone (and with it the job's result): end at once, with one line."""
-    store = connect_store(host, port, rank, world, timeout, master=False)
-
-    def beat():
-        try:
-            while True:
-                store.add(f"alive/{rank}", 1)
-                time.sleep(1)
-        except Exception as e:  # noqa: BLE001
-            if not ENDING.is_set():
-                hard_exit(1, f"{PREFIX}: rank {rank}: the job's store at {host}:{port} is gone (did rank 0 end?): {type(e).__name__}")
-
-    threading.Thread(target=beat, daemon=True).start()
-
-
-def wait_for(store, key: str, world: int, timeout: float, gone_before=()) -> tuple[dict[int, str], list[int]]:
-    """Rank 0: wait until every worker has set `key/<rank>` or is gone (its heartbeat stopped
-    DEAD_AFTER s ago, or it is in `gone_before`), `timeout` s at most. Returns ({rank: value} of
-    those that set it, the ranks that did not)."""
-    deadline, found, seen = time.monotonic() + timeout, {}, {}
-    while True:
-        now, gone = time.monotonic(), []
-        for r in range(world):
-            if r not in found and store.check([f"{key}/{r}"]):
-                found[r] = store.get(f"{key}/{r}").decode()
-            if r not in found and r in gone_before:
-                gone.append(r)
-            elif r not in found:
-                beats = store.add(f"alive/{r}", 0)
-                if seen.get(r, (None,))[0] != beats:
-                    seen[r] = (beats, now)
-                elif now - seen[r][1] > DEAD_AFTER:
-                    gone.append(r)
-        missing = [r for r in range(world) if r not in found]
-        if len(gone) == len(missing) or now > deadline:
-            return found, missing
-        time.sleep(0.1)
-
-
-def start_together(store, rank: int, world: int, timeout: float) -> None:
-    """The start barrier: rank 0 waits for every worker, then says go (or why not, and every
-    worker raises CannotRun)."""
-    store.set(f"started/{rank}", "1")
-    if rank == 0:
-        _, missing = wait_for(store, "started", world, timeout)
-        why = f"ranks {missing} did not start (no heartbeat for {DEAD_AFTER:.0f} s, or not ready within {timeout:.0f} s)"
-        store.set("go", why if missing else "")
-    store.wait(["go"], timedelta(seconds=timeout + DEAD_AFTER + 5))
-    if why := store.get("go").decode():
-        raise CannotRun(why)
-
-
-def descendants() -> list[int]:
-
-    """PIDs of this process's descendants (its children, theirs, ...), from /proc."""
-    parent = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    found, frontier = [], [os.getpid()]
-    while frontier:
-        kids = [pid for pid, ppid in parent.items() if ppid in frontier]
-        found += kids
-        frontier = kids
-    return found
-
-
-def hard_exit(code: int, line: str | None = None) -> None:
-    """Print `line`, kill this process's own descendants (the library's helper processes), exit."""
-    if line:
-        print(line, flush=True)
-    for pid in descendants():
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-class Watchdog:
-    """Ends the process (exit 1, one line) when `beat` was not called for `seconds`: a stuck
-    library call (a wait without a timeout of its own) cannot hang the run."""
-
-    def __init__(self, rank: int, seconds: float):
-        self.rank, self.seconds, self.last, self.doing = rank, seconds, time.monotonic(), "starting"
-        threading.Thread(target=self._watch, daemon=True).start()
-
-    def beat(self, doing: str) -> None:
-        self.last, self.doing = time.monotonic(), doing
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(1)
-            if time.monotonic() - self.last > self.seconds:
-                hard_exit(1, f"{PREFIX}: rank {self.rank}: no progress for {self.seconds:.0f} s ({self.doing}); giving up")
-
-
-def parser() -> argparse.ArgumentParser:
-    """add_arguments' flags, --check, --timeout, one flag for each of SETTINGS, and the arm's own."""
-    import peer_common
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    peer_common.add_arguments(p)
-    for action in p._actions:  # --out: not needed by --check's launcher
-        if action.dest == "out":
-            action.required, action.default = False, None
-    COMMON_DEFAULTS.update({key: p.get_default(key) for key in COMMON_DEFAULTS})
-    p.set_defaults(**dict.fromkeys(COMMON_DEFAULTS))  # None: add_arguments' default, or --check's
-    p.add_argument("--check", action="store_true", help="2 local workers, a few steps: exit 0 if the loss went down")
-    p.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds any wait may take: start-up, a stalled step, the end barrier")  # fmt: skip
-    for key, value in SETTINGS.items():
-        p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None, help=f"default {value}")
-    own_arguments(p)
-    return p
-
-
-def fill_defaults(args) -> None:
-    check = CHECK if args.check else {}
-    for key, default in {**COMMON_DEFAULTS, **SETTINGS}.items():
-        if getattr(args, key) is None:
-            setattr(args, key, check.get(key, default))
-
-
-def loss_went_down(losses: list[float]) -> tuple[bool, float, float]:
-    """(last < first, first, last): the mean training loss of the first and last 5 steps."""
-    k = max(1, min(5, len(losses) // 4))
-    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    return last < first, first, last
-
-
-def launch_check(script: str, argv: list[str], workers: int, timeout: float) -> int:
-    """--check without RANK: run `workers` local worker processes of `script --check` and return
-    their verdict (rank 0's line and exit status; 3 if a worker could not start)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    tmp = Path(tempfile.mkdtemp(prefix=f"{PREFIX}-check-"))
-    out = tmp / "result.json"
-    procs, logs = [], []
-    for rank in range(workers):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(workers), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port)}  # fmt: skip
-        log = open(tmp / f"rank{rank}.log", "w+")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, script, *argv, "--out", str(out)], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(max(0.1, deadline - time.monotonic()))
-    codes = [p.poll() for p in procs]
-    for p, code in zip(procs, codes):
-        if code is None:  # our own worker: its whole group (its library's helpers too)
-            with contextlib.suppress(OSError):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
-
-    def last_line(rank: int) -> str:
-        logs[rank].seek(0)
-        lines = [line.strip() for line in logs[rank] if line.strip()]
-        ours = [line for line in lines if line.startswith(PREFIX)]
-        return (ours or lines or [f"{PREFIX}: rank {rank} printed nothing"])[-1]
-
-    try:
-        for rank, code in enumerate(codes):
-            if code == 3:
-                print(last_line(rank))
-                return 3
-        if None in codes:
-            print(f"{PREFIX}: check: timed out after {timeout:.0f} s (exit codes {codes}; logs in {tmp})")
-            return 1
-        for rank, code in enumerate(codes):
-            if code != 0 and rank != 0:
-                print(f"{PREFIX}: check: rank {rank} failed (exit {code}): {last_line(rank)} (logs in {tmp})")
-                return 1
-        print(last_line(0) + ("" if codes[0] == 0 else f" (logs in {tmp})"))
-        return codes[0]
-    finally:
-        for log in logs:
-            log.close()
-        if codes == [0] * workers:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-# ---- the Hivemind arm ---------------------------------------------------------------------
+from peer_launch import (DEAD_AFTER, ENDING, Arm, CannotRun, Watchdog, connect_store, hard_exit, heartbeat,
+                         loss_went_down, own_address, start_together, wait_for)  # fmt: skip
 
 
 def own_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="hivemind.Optimizer(verbose=True): log its rounds")
+
+
+ARM = Arm(
+    "hivemind", library="hivemind", doc=__doc__, own_arguments=own_arguments,
+    settings={"target_batch_size": 10240, "matchmaking_time": 1.0, "averaging_timeout": 5.0},
+    # --check: 2 workers, 6 epochs of 6400 samples (50 steps each, 300 in all; 6 Hivemind epochs of
+    # 50 steps), a small test set and one snapshot an epoch: about 10 s of training.
+    check={"workers": 2, "train_samples": 6400, "epochs": 6.0, "test_samples": 1000, "eval_every": 1.0,
+           "target_batch_size": 6400, "matchmaking_time": 0.5},
+)  # fmt: skip
+PREFIX = ARM.prefix
 
 
 class _DieWithParent:
@@ -416,13 +172,13 @@ def start(args, rank: int, world: int, watchdog: Watchdog):
         import torch
         import hivemind
         import peer_common
-    except Exception as e:  # noqa: BLE001 - any import failure means: cannot run here
+    except Exception as e:  # any import failure means: cannot run here
         raise CannotRun(f"import failed: {type(e).__name__}: {e}") from e
     master, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     try:
         host = own_address(master)
         store = connect_store(master, port, rank, world, args.timeout)
-        heartbeat(master, port, rank, world, args.timeout)
+        heartbeat(PREFIX, master, port, rank, world, args.timeout)
         trainer = peer_common.Trainer(args, rank, world)
         counters = count_allreduce_bytes()
         _DieWithParent.guard = _DieWithParent()  # registered for as long as the class holds it
@@ -443,7 +199,7 @@ def start(args, rank: int, world: int, watchdog: Watchdog):
             averaging_timeout=args.averaging_timeout, load_state_timeout=args.timeout / 2,
             averager_opts={"request_timeout": args.matchmaking_time / 2}, verbose=args.verbose,
         )  # fmt: skip
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise CannotRun(f"start failed: {type(e).__name__}: {e}") from e
     return torch, hivemind, store, trainer, dht, opt, counters
 
@@ -452,14 +208,14 @@ def run_worker(args) -> int:
     import peer_common
 
     rank, world = peer_common.env_rank()
-    watchdog = Watchdog(rank, args.timeout + DEAD_AFTER + 30)  # later than any of our own waits
+    watchdog = Watchdog(PREFIX, rank, args.timeout + DEAD_AFTER + 30)  # later than any of our own waits
     try:
         torch, hivemind, store, trainer, dht, opt, counters = start(args, rank, world, watchdog)
         watchdog.beat("start barrier")
         start_together(store, rank, world, args.timeout)
     except CannotRun as e:
         hard_exit(3, f"{PREFIX}: cannot run here: rank {rank}: {e}")
-    except Exception as e:  # noqa: BLE001 - the store went during the start barrier
+    except Exception as e:  # the store went during the start barrier
         hard_exit(3, f"{PREFIX}: cannot run here: rank {rank}: start failed: {type(e).__name__}: {e}")
     signal.signal(signal.SIGTERM, lambda *_: hard_exit(1, f"{PREFIX}: rank {rank}: terminated"))
     try:
@@ -481,7 +237,7 @@ def run_worker(args) -> int:
         watchdog.beat("hivemind.Optimizer.shutdown")
         opt.shutdown()
         store.set(f"done/{rank}", json.dumps(None if counters is None else counters[0]))
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         hard_exit(1, f"{PREFIX}: rank {rank}: training failed: {type(e).__name__}: {e}")
     if rank != 0:
         ENDING.set()
@@ -521,7 +277,7 @@ def run_worker(args) -> int:
         "rank0_steps_seconds": round(own_seconds, 3), "first_loss": round(first, 4), "last_loss": round(last, 4),
     }  # fmt: skip
     watchdog.beat("evaluating rank 0's snapshots")
-    result = trainer.finish(ARM, round(sum(sent) / len(sent)) if sent else None, facts=facts) if args.out else None
+    result = trainer.finish(ARM.name, round(sum(sent) / len(sent)) if sent else None, facts=facts) if args.out else None
     code = 0
     if args.check:
         if not down:
@@ -546,28 +302,10 @@ def run_worker(args) -> int:
     with contextlib.suppress(Exception):
         dht.shutdown()
     hard_exit(code)  # Hivemind's helper processes and threads must not hold the exit
-    return code
 
 
 def main() -> int:
-    try:
-        cli = parser()  # imports peer_common, hence torch and ako
-    except Exception as e:  # noqa: BLE001
-        print(f"{PREFIX}: cannot run here: import failed: {type(e).__name__}: {e}")
-        return 3
-    args = cli.parse_args()
-    if args.check and "RANK" not in os.environ:
-        try:
-            importlib.import_module("hivemind")  # the quick answer to "can this arm run here"
-        except Exception as e:  # noqa: BLE001
-            print(f"{PREFIX}: cannot run here: import failed: {type(e).__name__}: {e}")
-            return 3
-        return launch_check(__file__, sys.argv[1:], CHECK["workers"], 3 * args.timeout)
-    fill_defaults(args)
-    if not args.out and not args.check:
-        print(f"{PREFIX}: --out is required (rank 0 writes the result there)")
-        return 2
-    return run_worker(args)
+    return ARM.main(__file__, run_worker)
 
 
 if __name__ == "__main__":
