@@ -2,9 +2,11 @@
 Fashion-MNIST, initialised from the seed as `ako train` initialises it; the same shards and
 mini-batches (`ako.data.ShardSampler`); ako's default optimizer (SGD, lr 0.1 of the averaged
 gradient, Nesterov momentum 0.9, weight decay 5e-4); the same straggler (a worker that sleeps
-(factor - 1) times its forward+backward time each step, as `ako train --straggler` does: here
-the median of 5 steps measured before training, slept between forward and backward, so that
-the peer's communication, which runs in or after backward, waits for it as for a slow machine);
+(factor - 1) times its forward+backward time each step, as `ako train --straggler` does; a
+peer's backward holds its communication, so the forward+backward time is this step's forward
+time x the ratio of forward+backward to forward measured before training, and the sleep falls
+between forward and backward, so that the peer's communication waits for it as for a slow
+machine's);
 and the same evaluation (rank 0 snapshots its replica every `--eval-every` epochs and
 the snapshots are evaluated on the test set after training, so that evaluating does not slow
 training).
@@ -76,7 +78,8 @@ class Trainer:
         self.steps = max(1, round(args.epochs * self.sampler.steps_per_epoch))
         self.snapshot_every = max(1, round(args.eval_every * self.sampler.steps_per_epoch))
         self.slow_rank, self.factor = parse_straggler(args.straggler)
-        self.delay = (self.factor - 1) * self.compute_seconds() if rank == self.slow_rank else 0.0
+        self.backward_ratio = self.forward_backward_ratio() if rank == self.slow_rank else 1.0
+        self.forward_seconds = 0.0  # the last `loss`'s
         self.snapshots: list[tuple[float, int, torch.Tensor]] = []  # (training seconds, step, params)
         self.start = time.perf_counter()
 
@@ -90,27 +93,36 @@ class Trainer:
         return fetch(self.split.train, self.sampler.batch(step))
 
     def loss(self, model, step: int) -> torch.Tensor:
+        """Forward: the mean cross-entropy of step `step`'s mini-batch (its time in `forward_seconds`)."""
         x, y = self.batch(step)
-        return F.cross_entropy(model(x), y)
+        start = time.perf_counter()
+        loss = F.cross_entropy(model(x), y)
+        self.forward_seconds = time.perf_counter() - start
+        return loss
 
     def begin(self) -> None:
         """Training starts now (after every worker has joined)."""
         self.start = time.perf_counter()
 
-    def compute_seconds(self, repeats: int = 5) -> float:
-        """Median seconds of forward+backward of one mini-batch on a copy of the model."""
+    def forward_backward_ratio(self, repeats: int = 5) -> float:
+        """Median over `repeats` steps (after one warm-up) of forward+backward time over forward
+        time, on a copy of the model."""
         model = copy.deepcopy(self.model)
-        times = []
+        ratios = []
         for step in range(repeats + 1):
+            x, y = self.batch(step)
             start = time.perf_counter()
-            self.loss(model, step).backward()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times[1:])
+            loss = F.cross_entropy(model(x), y)
+            forward = time.perf_counter() - start
+            loss.backward()
+            ratios.append((time.perf_counter() - start) / forward)
+        return statistics.median(ratios[1:])
 
     def straggle(self) -> None:
-        """The straggler's delay (nothing on other workers); call it between forward and backward."""
-        if self.delay:
-            time.sleep(self.delay)
+        """The straggler's delay (nothing on other workers): (factor - 1) x this step's
+        forward+backward time. Call it between forward (`loss`) and backward."""
+        if self.rank == self.slow_rank and self.factor > 1:
+            time.sleep((self.factor - 1) * self.forward_seconds * self.backward_ratio)
 
     def after_step(self, step: int, model=None) -> None:
         """Rank 0 snapshots `model` (default: the trainer's) after steps that end an
