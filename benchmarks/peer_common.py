@@ -7,9 +7,9 @@ peer's backward holds its communication, so the forward+backward time is this st
 time x the ratio of forward+backward to forward measured before training, and the sleep falls
 between forward and backward, so that the peer's communication waits for it as for a slow
 machine's);
-and the same evaluation (rank 0 snapshots its replica every `--eval-every` epochs and
-the snapshots are evaluated on the test set after training, so that evaluating does not slow
-training).
+and the same evaluation (every worker snapshots its replica every `--eval-every` epochs;
+rank 0's snapshots are evaluated on the test set after training, so that evaluating does not
+slow training, and `average_records` evaluates the replicas' average from every rank's).
 
 A peer arm is a script that each worker process runs (under torchrun, or as the peer's own
 documentation launches it), with `add_arguments`'s flags; rank 0 writes the arm's result as JSON
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="per worker")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--eval-every", type=float, default=0.1, help="epochs between rank 0's snapshots")
+    parser.add_argument("--eval-every", type=float, default=0.1, help="epochs between snapshots")
     parser.add_argument("--straggler", default="", help="rank=R,factor=K: worker R is K times slower")
     parser.add_argument("--train-samples", type=int, default=None, help="only the first k training examples")
     parser.add_argument("--test-samples", type=int, default=None)
@@ -63,7 +63,7 @@ def parse_straggler(text: str) -> tuple[int, float]:
 
 
 class Trainer:
-    """One worker's data, model, optimizer, straggler delay and rank 0's snapshots.
+    """One worker's data, model, optimizer, straggler delay and snapshots.
 
     `rank` and `world` are this worker's place among the data-parallel workers (for torchft and
     Hivemind, where every worker is its own replica group, not torch.distributed's rank)."""
@@ -125,11 +125,16 @@ class Trainer:
             time.sleep((self.factor - 1) * self.forward_seconds * self.backward_ratio)
 
     def after_step(self, step: int, model=None) -> None:
-        """Rank 0 snapshots `model` (default: the trainer's) after steps that end an
-        evaluation period and after the last step. `step` counts from 1."""
-        if self.rank == 0 and (step % self.snapshot_every == 0 or step == self.steps):
+        """Snapshot `model` (default: the trainer's) after steps that end an evaluation period
+        and after the last step (`step` counts from 1); after the last, every rank but 0
+        writes its snapshots to `--out`.rank<r>.pt (for the replicas' average, `average_records`)."""
+        if step % self.snapshot_every == 0 or step == self.steps:
             params = torch.cat([p.detach().reshape(-1) for p in (model or self.model).parameters()])
             self.snapshots.append((time.perf_counter() - self.start, step, params.clone()))
+        if step == self.steps and self.rank != 0:
+            tmp = Path(f"{self.args.out}.rank{self.rank}.tmp")
+            torch.save([params for _, _, params in self.snapshots], tmp)
+            tmp.replace(f"{self.args.out}.rank{self.rank}.pt")
 
     def finish(self, arm: str, bytes_sent: int | None, model=None, facts: dict | None = None) -> dict | None:
         """Rank 0: evaluate the snapshots and write the result to `--out`; returns it (None
@@ -143,6 +148,7 @@ class Trainer:
             torch.nn.utils.vector_to_parameters(params, model.parameters())
             records.append({"seconds": round(at, 4), "epoch": step / self.sampler.steps_per_epoch,
                             "samples": step * self.world * self.args.batch_size, **evaluate(model, self.split.test)})  # fmt: skip
+        torch.save([params for _, _, params in self.snapshots], Path(f"{self.args.out}.rank0.pt"))
         result = {
             "arm": arm, "workers": self.world, "steps": self.steps, "records": records,
             "train_seconds": round(seconds, 3),
@@ -166,6 +172,24 @@ def evaluate(model, test_set, batch_size: int = 1000) -> dict:
         correct += (logits.argmax(1) == y).sum().item()
     model.train()
     return {"loss": loss / len(test_set), "accuracy": correct / len(test_set)}
+
+
+def average_records(out: Path, records: list[dict], workers: int) -> list[dict] | None:
+    """The replicas' average at each of rank 0's snapshot points (its `seconds` and `epoch`),
+    evaluated on the test set, from every rank's `out`.rank<r>.pt; None when one is missing
+    (a rank that died, or an arm that keeps no such files)."""
+    files = [Path(f"{out}.rank{r}.pt") for r in range(workers)]
+    if not all(f.exists() for f in files):
+        return None
+    ranks = [torch.load(f) for f in files]
+    split = load_dataset(DATASET)
+    torch.manual_seed(0)
+    model = build_model("cnn", split.input_shape, split.num_classes)
+    averaged = []
+    for k, record in enumerate(records):
+        torch.nn.utils.vector_to_parameters(torch.stack([r[k] for r in ranks]).mean(0), model.parameters())
+        averaged.append({**record, **evaluate(model, split.test)})
+    return averaged
 
 
 def env_rank() -> tuple[int, int]:

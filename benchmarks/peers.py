@@ -13,10 +13,12 @@ Settings: `loopback` (the workers as processes of this machine), `netcluster` (o
 host of `scripts/netcluster`, links of `--rate` each way; needs root) and `straggler` (that,
 with worker `--slow-rank` slowed `--factor` times: ako's `--straggler`, and for the peers a
 sleep of the same size in their training loop). Prints, per arm: time to 85% test accuracy
-(rank 0's replica, training seconds; snapshots are evaluated after training), accuracy after
-the 2 epochs, samples/s, MB sent per worker per second (payload as the arm counts it; on
-netcluster also every host's eth0 bytes, headers included), and time to 85% over the best
-peer's. Medians over `--seeds`.
+(training seconds on rank 0's clock; snapshots every 0.1 epoch, evaluated after training) of
+the replicas' average, which is the model each arm delivers when it stops (Ako's final flush
+and a local-SGD arm's final average make every replica that average; the synchronous arms'
+replicas are equal) and of rank 0's replica alone, accuracy after the 2 epochs, samples/s, MB sent per worker per second (payload as the arm counts it; on
+netcluster also every host's eth0 bytes, headers included), and the average's time to 85% over
+the best peer's. Medians over `--seeds`.
 
     .venv/bin/python benchmarks/peers.py [--settings loopback,netcluster,straggler] [--seeds 1]
         [--arms ako,allreduce,...] [--workers 4] [--epochs 2] [--rate 100mbit] [--factor 3]
@@ -35,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from peer_common import average_records, time_to
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 AKO_ARMS = ("ako", "allreduce", "gossip")
@@ -42,6 +46,7 @@ TORCH_ARMS = ("ddp", "powersgd-r1", "powersgd-r4", "post-local-sgd")
 VENV_ARMS = {"hivemind": "peer_hivemind.py", "torchft": "peer_torchft.py"}
 ARMS = AKO_ARMS + TORCH_ARMS + tuple(VENV_ARMS)
 PEERS = TORCH_ARMS + tuple(VENV_ARMS)
+SYNCHRONOUS = ("ddp", "powersgd-r1", "powersgd-r4")  # their replicas are equal: the average is rank 0's
 LEVEL = 0.85
 NETCLUSTER = ROOT / "scripts" / "netcluster"
 
@@ -112,13 +117,15 @@ def result_of(arm: str, out: Path) -> dict:
     """The arm's figures: tta, accuracy, samples/s, payload B/s per worker, train seconds."""
     if arm in AKO_ARMS:
         s = json.loads(max(out.glob("*/summary.json"), key=lambda p: p.stat().st_mtime).read_text())
-        return {"tta": s["time_to_accuracy"].get(str(LEVEL)), "accuracy": s["test_accuracy"],
+        average = (s.get("average_time_to_accuracy") or s["time_to_accuracy"]).get(str(LEVEL))
+        return {"tta": s["time_to_accuracy"].get(str(LEVEL)), "average_tta": average, "accuracy": s["test_accuracy"],
                 "samples_per_second": s["samples_per_second"], "payload": s["bytes_sent_per_worker_per_second"],
                 "train_seconds": s["train_seconds"], "note": s.get("partitions_reason", "")}  # fmt: skip
     r = json.loads((out / "result.json").read_text())
     records = r["records"]
-    tta = next((x["seconds"] for x in records if x["accuracy"] >= LEVEL), None)
-    return {"tta": tta, "accuracy": records[-1]["accuracy"], "samples_per_second": r["samples_per_second"],
+    averaged = records if arm in SYNCHRONOUS else average_records(out / "result.json", records, r["workers"])
+    return {"tta": time_to(records, LEVEL), "average_tta": averaged and time_to(averaged, LEVEL),
+            "accuracy": records[-1]["accuracy"], "samples_per_second": r["samples_per_second"],
             "payload": r["bytes_sent_per_worker_per_second"], "train_seconds": r["train_seconds"],
             "note": str(r.get("settings", ""))}  # fmt: skip
 
@@ -136,7 +143,8 @@ def run_arm(arm: str, args, setting: str, seed: int) -> dict | None:
     if setting != "loopback" and args.stats_file.exists():
         hosts = json.loads(args.stats_file.read_text())
         result["wire"] = statistics.mean(h["tx"]["bytes"] for h in hosts.values()) / result["train_seconds"]
-    print(f"  {arm:<15} {setting:<10} seed {seed}: time to 85% {fmt(result['tta'])}, accuracy {result['accuracy']:.4f}, "
+    print(f"  {arm:<15} {setting:<10} seed {seed}: time to 85% {fmt(result['average_tta'])} (replicas' average), "
+          f"{fmt(result['tta'])} (rank 0), accuracy {result['accuracy']:.4f}, "
           f"{result['samples_per_second']:.0f} samples/s", flush=True)  # fmt: skip
     return result
 
@@ -179,20 +187,21 @@ def median(values: list) -> float | None:
 
 def table(setting: str, results: dict[str, list[dict]], args) -> None:
     rows = {arm: runs for arm, runs in results.items() if runs}
-    ttas = {arm: median([r["tta"] for r in runs]) for arm, runs in rows.items()}
+    ttas = {arm: median([r["average_tta"] for r in runs]) for arm, runs in rows.items()}
     peers = [t for arm, t in ttas.items() if arm in PEERS and t is not None]
     best = min(peers) if peers else None
     best_arm = next((a for a, t in ttas.items() if a in PEERS and t == best), None) if best else None
     print(f"\n{setting}: {args.workers} workers, cnn on Fashion-MNIST, {args.epochs:g} epochs, "
           f"median of {max(len(r) for r in rows.values()) if rows else 0} seed(s); best peer: {best_arm or 'none reached 85%'}")  # fmt: skip
-    print(f"{'arm':<15} {'time to 85%':>12} {'/ best peer':>11} {'accuracy':>9} {'samples/s':>10} "
+    print(f"{'arm':<15} {'85%: average':>12} {'/ best peer':>11} {'rank 0':>12} {'accuracy':>9} {'samples/s':>10} "
           f"{'MB/s sent':>10} {'wire MB/s':>10}  settings")  # fmt: skip
     for arm, runs in rows.items():
         tta = ttas[arm]
         ratio = f"{tta / best:.2f}x" if tta is not None and best else "-"
+        rank0 = median([r["tta"] for r in runs])
         payload = median([r["payload"] for r in runs])
         wire = median([r.get("wire") for r in runs])
-        print(f"{arm:<15} {fmt(tta):>12} {ratio:>11} {statistics.median(r['accuracy'] for r in runs):>9.4f} "
+        print(f"{arm:<15} {fmt(tta):>12} {ratio:>11} {fmt(rank0):>12} {statistics.median(r['accuracy'] for r in runs):>9.4f} "
               f"{statistics.median(r['samples_per_second'] for r in runs):>10.0f} "
               f"{'-' if payload is None else f'{payload / 1e6:.2f}':>10} {'-' if wire is None else f'{wire / 1e6:.2f}':>10}  "
               f"{runs[0]['note'][:70]}")  # fmt: skip
