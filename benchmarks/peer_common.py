@@ -133,7 +133,7 @@ class Trainer:
             self.snapshots.append((time.perf_counter() - self.start, step, params.clone()))
         if step == self.steps and self.rank != 0:
             tmp = Path(f"{self.args.out}.rank{self.rank}.tmp")
-            torch.save([params for _, _, params in self.snapshots], tmp)
+            torch.save([(at, params) for at, _, params in self.snapshots], tmp)
             tmp.replace(f"{self.args.out}.rank{self.rank}.pt")
 
     def finish(self, arm: str, bytes_sent: int | None, model=None, facts: dict | None = None) -> dict | None:
@@ -148,7 +148,7 @@ class Trainer:
             torch.nn.utils.vector_to_parameters(params, model.parameters())
             records.append({"seconds": round(at, 4), "epoch": step / self.sampler.steps_per_epoch,
                             "samples": step * self.world * self.args.batch_size, **evaluate(model, self.split.test)})  # fmt: skip
-        torch.save([params for _, _, params in self.snapshots], Path(f"{self.args.out}.rank0.pt"))
+        torch.save([(at, params) for at, _, params in self.snapshots], Path(f"{self.args.out}.rank0.pt"))
         result = {
             "arm": arm, "workers": self.world, "steps": self.steps, "records": records,
             "train_seconds": round(seconds, 3),
@@ -175,9 +175,11 @@ def evaluate(model, test_set, batch_size: int = 1000) -> dict:
 
 
 def average_records(out: Path, records: list[dict], workers: int) -> list[dict] | None:
-    """The replicas' average at each of rank 0's snapshot points (its `seconds` and `epoch`),
-    evaluated on the test set, from every rank's `out`.rank<r>.pt; None when one is missing
-    (a rank that died, or an arm that keeps no such files)."""
+    """The replicas' average after each of the snapshot steps of rank 0's `records`, evaluated on
+    the test set, from every rank's `out`.rank<r>.pt; its `seconds` are the latest of the
+    ranks' times at that step (when every replica had got there: ranks that do not keep in step
+    would otherwise lend the average their future). None when a rank's file is missing (a rank
+    that died, or an arm that keeps no such files)."""
     files = [Path(f"{out}.rank{r}.pt") for r in range(workers)]
     if not all(f.exists() for f in files):
         return None
@@ -187,8 +189,9 @@ def average_records(out: Path, records: list[dict], workers: int) -> list[dict] 
     model = build_model("cnn", split.input_shape, split.num_classes)
     averaged = []
     for k, record in enumerate(records):
-        torch.nn.utils.vector_to_parameters(torch.stack([r[k] for r in ranks]).mean(0), model.parameters())
-        averaged.append({**record, **evaluate(model, split.test)})
+        torch.nn.utils.vector_to_parameters(torch.stack([r[k][1] for r in ranks]).mean(0), model.parameters())
+        seconds = max(r[k][0] for r in ranks)
+        averaged.append({**record, "seconds": round(seconds, 4), **evaluate(model, split.test)})
     return averaged
 
 

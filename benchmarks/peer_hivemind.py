@@ -76,7 +76,6 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import signal
 import sys
 import threading
 import time
@@ -85,8 +84,8 @@ from pathlib import Path
 
 START = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_launch import (DEAD_AFTER, ENDING, Arm, CannotRun, Watchdog, connect_store, hard_exit, heartbeat,
-                         loss_went_down, own_address, start_together, wait_for)  # fmt: skip
+from peer_launch import (DEAD_AFTER, ENDING, Arm, CannotRun, Watchdog, connect_store, hard_exit, heartbeat, leave,
+                         loss_went_down, own_address, start_or_exit, verdict, wait_for)  # fmt: skip
 
 
 def own_arguments(p: argparse.ArgumentParser) -> None:
@@ -209,15 +208,7 @@ def run_worker(args) -> int:
 
     rank, world = peer_common.env_rank()
     watchdog = Watchdog(PREFIX, rank, args.timeout + DEAD_AFTER + 30)  # later than any of our own waits
-    try:
-        torch, hivemind, store, trainer, dht, opt, counters = start(args, rank, world, watchdog)
-        watchdog.beat("start barrier")
-        start_together(store, rank, world, args.timeout)
-    except CannotRun as e:
-        hard_exit(3, f"{PREFIX}: cannot run here: rank {rank}: {e}")
-    except Exception as e:  # the store went during the start barrier
-        hard_exit(3, f"{PREFIX}: cannot run here: rank {rank}: start failed: {type(e).__name__}: {e}")
-    signal.signal(signal.SIGTERM, lambda *_: hard_exit(1, f"{PREFIX}: rank {rank}: terminated"))
+    torch, hivemind, store, trainer, dht, opt, counters = start_or_exit(PREFIX, start, args, rank, world, watchdog)
     try:
         startup = time.perf_counter() - START
         trainer.begin()
@@ -278,29 +269,10 @@ def run_worker(args) -> int:
     }  # fmt: skip
     watchdog.beat("evaluating rank 0's snapshots")
     result = trainer.finish(ARM.name, round(sum(sent) / len(sent)) if sent else None, facts=facts) if args.out else None
-    code = 0
-    if args.check:
-        if not down:
-            print(f"{PREFIX}: check failed: the loss did not go down (first {first:.4f}, last {last:.4f})")
-            code = 1
-        elif rounds == 0:
-            print(f"{PREFIX}: check failed: no averaging round completed (loss {first:.4f} -> {last:.4f})")
-            code = 1
-        else:
-            print(f"{PREFIX}: check passed: loss {first:.4f} -> {last:.4f} in {trainer.steps} steps on "
-                  f"{world} workers, {rounds} averaging rounds")  # fmt: skip
-    elif result:
-        end = result["records"][-1]
-        print(f"{PREFIX}: {trainer.steps} steps on {world} workers in {result['train_seconds']:.1f} s, "
-              f"{result['samples_per_second']:.0f} samples/s, accuracy {end['accuracy']:.4f}, {rounds} averaging rounds"
-              + (f"; ranks {gone} did not finish" if gone else ""))  # fmt: skip
+    code = verdict(PREFIX, args.check, (down, first, last), rounds, f"{rounds} averaging rounds", result, trainer.steps,
+                   world, gone)  # fmt: skip
     watchdog.beat("waiting for the other workers to close")
-    ENDING.set()
-    with contextlib.suppress(Exception):  # the others no longer need this store (nor rank 0's DHT node)
-        store.set("closed/0", "1")
-        wait_for(store, "closed", world, 10, gone_before=gone)
-    with contextlib.suppress(Exception):
-        dht.shutdown()
+    leave(store, world, gone, dht.shutdown)
     hard_exit(code)  # Hivemind's helper processes and threads must not hold the exit
 
 

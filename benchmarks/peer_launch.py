@@ -243,6 +243,56 @@ def loss_went_down(losses: list[float]) -> tuple[bool, float, float]:
     return last < first, first, last
 
 
+def start_or_exit(prefix: str, start: Callable, args, rank: int, world: int, watchdog: "Watchdog"):
+    """`start(args, rank, world, watchdog)`'s result (the arm's store, trainer and library
+    objects), once every worker has passed the start barrier; exits 3 with one line when the
+    arm cannot start here. From then on SIGTERM ends the worker with one line."""
+    try:
+        started = start(args, rank, world, watchdog)
+        watchdog.beat("start barrier")
+        start_together(started[2], rank, world, args.timeout)
+    except CannotRun as e:
+        hard_exit(3, f"{prefix}: cannot run here: rank {rank}: {e}")
+    except Exception as e:  # the store went during the start barrier
+        hard_exit(3, f"{prefix}: cannot run here: rank {rank}: start failed: {type(e).__name__}: {e}")
+    signal.signal(signal.SIGTERM, lambda *_: hard_exit(1, f"{prefix}: rank {rank}: terminated"))
+    return started
+
+
+def verdict(prefix: str, check: bool, losses: tuple[bool, float, float], synced: int, synced_text: str,
+            result: dict | None, steps: int, world: int, gone: list[int]) -> int:
+    """Rank 0's one line at the end, and the exit status: with `check`, whether the loss went
+    down (`losses`, from `loss_went_down`) and at least one synchronisation (`synced`, said as
+    `synced_text`) completed; otherwise the run's figures from its `result`."""
+    down, first, last = losses
+    if check:
+        if not down:
+            print(f"{prefix}: check failed: the loss did not go down (first {first:.4f}, last {last:.4f})")
+            return 1
+        if synced == 0:
+            print(f"{prefix}: check failed: {synced_text} (loss {first:.4f} -> {last:.4f})")
+            return 1
+        print(f"{prefix}: check passed: loss {first:.4f} -> {last:.4f} in {steps} steps on {world} workers, {synced_text}")
+    elif result:
+        end = result["records"][-1]
+        print(f"{prefix}: {steps} steps on {world} workers in {result['train_seconds']:.1f} s, "
+              f"{result['samples_per_second']:.0f} samples/s, accuracy {end['accuracy']:.4f}, {synced_text}"
+              + (f"; ranks {gone} did not finish" if gone else ""))  # fmt: skip
+    return 0
+
+
+def leave(store, world: int, gone: list[int], *shutdowns: Callable[[], object]) -> None:
+    """Rank 0 leaves last: it tells the others it is closing, waits for theirs (10 s at most),
+    then shuts its library's parts down (`shutdowns`, each allowed to fail)."""
+    ENDING.set()
+    with contextlib.suppress(Exception):  # the others no longer need this store (nor rank 0's services)
+        store.set("closed/0", "1")
+        wait_for(store, "closed", world, 10, gone_before=gone)
+    for shutdown in shutdowns:
+        with contextlib.suppress(Exception):
+            shutdown()
+
+
 def launch_check(prefix: str, script: str, argv: list[str], workers: int, timeout: float) -> int:
     """--check without RANK: run `workers` local worker processes of `script --check` and return
     their verdict (rank 0's line and exit status; 3 if a worker could not start)."""

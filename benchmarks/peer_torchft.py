@@ -67,7 +67,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import sys
 import time
@@ -77,8 +76,8 @@ from pathlib import Path
 
 START = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_launch import (DEAD_AFTER, ENDING, Arm, CannotRun, Watchdog, connect_store, hard_exit, heartbeat,
-                         loss_went_down, own_address, start_together, wait_for)  # fmt: skip
+from peer_launch import (DEAD_AFTER, ENDING, Arm, CannotRun, Watchdog, connect_store, hard_exit, heartbeat, leave,
+                         loss_went_down, own_address, start_or_exit, verdict, wait_for)  # fmt: skip
 
 ARM = Arm(
     "torchft", library="torchft", doc=__doc__,
@@ -196,16 +195,8 @@ def run_worker(args) -> int:
 
     rank, world = peer_common.env_rank()
     watchdog = Watchdog(PREFIX, rank, args.timeout + DEAD_AFTER + 30)  # later than any of our own waits
-    try:
-        torch, torchft, store, trainer, lighthouse, group_store, manager, optimizer, local_sgd, sent = start(
-            args, rank, world, watchdog)  # fmt: skip
-        watchdog.beat("start barrier")
-        start_together(store, rank, world, args.timeout)
-    except CannotRun as e:
-        hard_exit(3, f"{PREFIX}: cannot run here: rank {rank}: {e}")
-    except Exception as e:  # the store went during the start barrier
-        hard_exit(3, f"{PREFIX}: cannot run here: rank {rank}: start failed: {type(e).__name__}: {e}")
-    signal.signal(signal.SIGTERM, lambda *_: hard_exit(1, f"{PREFIX}: rank {rank}: terminated"))
+    torch, torchft, store, trainer, lighthouse, group_store, manager, optimizer, local_sgd, sent = start_or_exit(
+        PREFIX, start, args, rank, world, watchdog)  # fmt: skip
     try:
         startup = time.perf_counter() - START
         trainer.begin()
@@ -257,31 +248,10 @@ def run_worker(args) -> int:
     watchdog.beat("evaluating rank 0's snapshots")
     mean_sent = round(sum(sent_all) / len(sent_all)) if sent_all else None
     result = trainer.finish(ARM.name, mean_sent, facts=facts) if args.out else None
-    code = 0
-    if args.check:
-        if not down:
-            print(f"{PREFIX}: check failed: the loss did not go down (first {first:.4f}, last {last:.4f})")
-            code = 1
-        elif syncs == 0:
-            print(f"{PREFIX}: check failed: no sync committed (loss {first:.4f} -> {last:.4f})")
-            code = 1
-        else:
-            print(f"{PREFIX}: check passed: loss {first:.4f} -> {last:.4f} in {trainer.steps} steps on "
-                  f"{world} workers, {syncs} of {due} syncs committed")  # fmt: skip
-    elif result:
-        end = result["records"][-1]
-        print(f"{PREFIX}: {trainer.steps} steps on {world} workers in {result['train_seconds']:.1f} s, "
-              f"{result['samples_per_second']:.0f} samples/s, accuracy {end['accuracy']:.4f}, "
-              f"{syncs} of {due} syncs committed" + (f"; ranks {gone} did not finish" if gone else ""))  # fmt: skip
+    code = verdict(PREFIX, args.check, (down, first, last), syncs, f"{syncs} of {due} syncs committed", result,
+                   trainer.steps, world, gone)  # fmt: skip
     watchdog.beat("waiting for the other workers to close")
-    ENDING.set()
-    with contextlib.suppress(Exception):  # the others no longer need this store nor the lighthouse
-        store.set("closed/0", "1")
-        wait_for(store, "closed", world, 10, gone_before=gone)
-    with contextlib.suppress(Exception):
-        manager.shutdown(wait=False)
-    with contextlib.suppress(Exception):
-        lighthouse.shutdown()
+    leave(store, world, gone, lambda: manager.shutdown(wait=False), lighthouse.shutdown)
     hard_exit(code)  # torchft's threads must not hold the exit
 
 
