@@ -2,7 +2,7 @@
 run by torchrun (one process per worker, Gloo):
 
 - `ddp`: `DistributedDataParallel` with its defaults (its reducer all-reduces gradient buckets
-  as backward produces them; this cnn's 0.9 MB gradient fits DDP's first, 1 MiB bucket).
+  as backward produces them; this cnn's 0.83 MB gradient fits DDP's first, 1 MiB bucket).
 - `powersgd-r1`, `powersgd-r4`: DDP with `powerSGD_hook` at matrix approximation rank 1 or 4,
   with error feedback and warm start (the hook's defaults), after `start_powerSGD_iter` steps
   of plain all-reduce: 10% of the run, as the hook's documentation advises (its default, 1000,
@@ -17,8 +17,8 @@ run by torchrun (one process per worker, Gloo):
 
 Bytes sent are counted as ako counts its collectives: a ring all-reduce of b bytes over n
 workers sends 2 (n - 1) / n x b per worker; DDP's own buckets from their size, the hooks'
-all-reduces by wrapping `torch.distributed.all_reduce`. `--check` trains a few steps and exits
-1 unless the loss went down.
+all-reduces by wrapping `torch.distributed.all_reduce`. `--check` exits 1 unless the loss went down
+(run it with few `--epochs` or `--train-samples`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Settings: `loopback` (the workers as processes of this machine), `netcluster` (o
 host of `scripts/netcluster`, links of `--rate` each way; needs root) and `straggler` (that,
 with worker `--slow-rank` slowed `--factor` times: ako's `--straggler`, and for the peers a
 sleep of the same size in their training loop). Prints, per arm: time to 85% test accuracy
-(training seconds on rank 0's clock; snapshots every 0.1 epoch, evaluated after training) of
+(training seconds; snapshots every 0.1 epoch, evaluated after training) of
 the replicas' average, which is the model each arm delivers when it stops (Ako's final flush
 and a local-SGD arm's final average make every replica that average; the synchronous arms'
 replicas are equal) and of rank 0's replica alone, accuracy after the 2 epochs, samples/s, MB sent per worker per second (payload as the arm counts it; on
@@ -86,7 +86,7 @@ def command(arm: str, args, setting: str, seed: int, out: Path) -> tuple[list[st
 
 def netcluster(args) -> list[str]:
     return [sys.executable, str(NETCLUSTER), "--hosts", str(args.workers), "--rate", args.rate,
-            "--stats", str(args.stats_file), "--timeout", str(args.timeout)]  # fmt: skip
+            "--stats", str(args.stats_file), "--timeout", str(args.timeout - 30)]  # fmt: skip (it cleans up before ours)
 
 
 def launch(cmd: list[str], env: dict, workers: int, log, timeout: float) -> int:
@@ -227,6 +227,12 @@ def main() -> int:
     bad = [a for a in args.arms if a not in ARMS] + [s for s in settings if s not in ("loopback", "netcluster", "straggler")]
     if bad:
         print(f"peers: unknown {', '.join(map(repr, bad))}; arms: {', '.join(ARMS)}; settings: loopback, netcluster, straggler")
+        return 2
+    if args.workers < 2 or args.seeds < 1 or args.epochs <= 0 or not 0 < args.slow_rank < args.workers or args.factor < 1:
+        print("peers: --workers must be >= 2, --seeds >= 1, --epochs > 0, --slow-rank a worker other than 0, --factor >= 1")
+        return 2
+    if args.json and not args.json.parent.is_dir():
+        print(f"peers: --json {str(args.json)!r}: its directory does not exist")
         return 2
     if any(s != "loopback" for s in settings) and os.geteuid() != 0:
         print("peers: the netcluster settings need root (network namespaces and tc)")

@@ -188,3 +188,17 @@ def test_without_a_profile_forward_takes_a_third_and_backward_finishes_tensors_l
     assert fractions == pytest.approx([1 / 3 + 2 / 3 * k / 8 for k in range(1, 9)])
     with pytest.raises(ValueError, match="gradient_ready has 2 fractions, the model 8"):
         Costs(1.0, gradient_ready=(0.5, 1.0)).bucket_ready(BOUNDARIES, [(0, NUMEL + 1)])
+
+
+def test_a_profile_measured_for_other_tensors_is_one_line(tmp_path, capsys):
+    """gradient_ready of another length than the model's tensors: exit 2 with one line, before
+    the simulation starts."""
+    from ako.cli import main
+
+    profile = tmp_path / "short.toml"
+    profile.write_text("seconds_per_sample = 1e-4\ngradient_ready = [0.5, 1.0]\n")
+    code = main(["simulate", "--strategy", "allreduce", "--dataset", "digits", "--train-samples", "384",
+                 "--epochs", "0.2", "--profile", str(profile), "--out-dir", str(tmp_path), "--no-progress"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "gradient_ready has 2 fractions, the model 8 parameter tensors" in err

@@ -35,12 +35,12 @@ class Compute:
 class ComputeAllReduce:
     """`Compute` whose gradient is summed over all workers by all-reduces that overlap backward,
     as DistributedDataParallel's reducer does (Li et al., "PyTorch Distributed", VLDB 2020,
-    section 3.2.3): the flat gradient is cut into buckets of whole parameter tensors of about
-    `bucket_bytes` (`Replica.buckets`), and each bucket's all-reduce starts as soon as backward
+    section 3.2.3): the flat gradient is cut into buckets of whole parameter tensors of
+    `bucket_bytes` or a little more (`Replica.buckets`), and each bucket's all-reduce starts as soon as backward
     has finished its gradients, while backward goes on with the rest. Every worker must yield it
     at the same point of its program (it is a collective). Result: `ReducedGradient`.
 
-    Simulated runtime: bucket j's gradient is ready at the fraction `Costs.ready` gives of the
+    Simulated runtime: bucket j's gradient is ready at the fraction `Costs.bucket_ready` gives of the
     worker's compute time, and its ring all-reduce is booked from when the last worker had it
     ready (and the links were free)."""
 
