@@ -84,8 +84,8 @@ from pathlib import Path
 
 START = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_launch import (DEAD_AFTER, ENDING, Arm, CannotRun, Watchdog, connect_store, hard_exit, heartbeat, leave,
-                         loss_went_down, own_address, start_or_exit, verdict, wait_for)  # fmt: skip
+from peer_launch import (DEAD_AFTER, ENDING, Arm, CannotRun, Watchdog, hard_exit, join, leave,
+                         loss_went_down, start_or_exit, verdict, wait_for)  # fmt: skip
 
 
 def own_arguments(p: argparse.ArgumentParser) -> None:
@@ -173,11 +173,8 @@ def start(args, rank: int, world: int, watchdog: Watchdog):
         import peer_common
     except Exception as e:  # any import failure means: cannot run here
         raise CannotRun(f"import failed: {type(e).__name__}: {e}") from e
-    master, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     try:
-        host = own_address(master)
-        store = connect_store(master, port, rank, world, args.timeout)
-        heartbeat(PREFIX, master, port, rank, world, args.timeout)
+        host, store = join(PREFIX, rank, world, args.timeout)
         trainer = peer_common.Trainer(args, rank, world)
         counters = count_allreduce_bytes()
         _DieWithParent.guard = _DieWithParent()  # registered for as long as the class holds it

@@ -150,6 +150,15 @@ def heartbeat(prefix: str, host: str, port: int, rank: int, world: int, timeout:
     threading.Thread(target=beat, daemon=True).start()
 
 
+def join(prefix: str, rank: int, world: int, timeout: float):
+    """(this worker's address on the route to rank 0, the job's store) from torchrun's
+    MASTER_ADDR and MASTER_PORT, with this worker's heartbeat running in the store."""
+    master, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = connect_store(master, port, rank, world, timeout)
+    heartbeat(prefix, master, port, rank, world, timeout)
+    return own_address(master), store
+
+
 def wait_for(store, key: str, world: int, timeout: float, gone_before=()) -> tuple[dict[int, str], list[int]]:
     """Rank 0: wait until every worker has set `key/<rank>` or is gone (its heartbeat stopped
     DEAD_AFTER s ago, or it is in `gone_before`), `timeout` s at most. Returns ({rank: value} of

@@ -76,8 +76,8 @@ from pathlib import Path
 
 START = time.perf_counter()
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_launch import (DEAD_AFTER, ENDING, Arm, CannotRun, Watchdog, connect_store, hard_exit, heartbeat, leave,
-                         loss_went_down, own_address, start_or_exit, verdict, wait_for)  # fmt: skip
+from peer_launch import (DEAD_AFTER, ENDING, Arm, CannotRun, Watchdog, hard_exit, join, leave,
+                         loss_went_down, start_or_exit, verdict, wait_for)  # fmt: skip
 
 ARM = Arm(
     "torchft", library="torchft", doc=__doc__,
@@ -121,16 +121,13 @@ def start(args, rank: int, world: int, watchdog: Watchdog):
         import peer_common
     except Exception as e:  # any import failure means: cannot run here
         raise CannotRun(f"import failed: {type(e).__name__}: {e}") from e
-    master, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     try:
-        host = own_address(master)
+        host, store = join(PREFIX, rank, world, args.timeout)
         # Gloo's sockets go out of the interface that holds this host's address (eth0 on a host,
         # lo on one machine) unless the caller chose one
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface_of(host) or "")
         if not os.environ["GLOO_SOCKET_IFNAME"]:
             del os.environ["GLOO_SOCKET_IFNAME"]
-        store = connect_store(master, port, rank, world, args.timeout)
-        heartbeat(PREFIX, master, port, rank, world, args.timeout)
         trainer = peer_common.Trainer(args, rank, world)
         lighthouse = None
         if rank == 0:

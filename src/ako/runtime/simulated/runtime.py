@@ -14,10 +14,10 @@ out the operations of `ako.strategies.ops` as the distributed runtime does, with
   takes what has been delivered. Messages are not copied: receivers of one `Send` tensor sent
   to several peers share it (the programs do not modify those).
 - `AllReduce` waits for every worker, then reduces their tensors for real (in rank order) and
-  resumes them all when the ring all-reduce's modelled time has passed. `ComputeAllReduce` is
-  `Compute` and then that, with each bucket booked from when every worker had it ready. Each worker's k-th
+  resumes them all when the ring all-reduce's modelled time has passed. Each worker's k-th
   all-reduce joins the k-th collective; one started with `wait=False` resumes its worker at
-  once, and `Wait` holds it until that collective is over.
+  once, and `Wait` holds it until that collective is over. `ComputeAllReduce` is `Compute`
+  and then such a collective, each bucket booked from when every worker had it ready.
 - `MeasureStep` and `MeasureBandwidth` return the cost model's
   values; `Lost` is empty (no failures are simulated).
 Evaluations (rank 0's snapshots, and where the replicas differ the consensus distance of
