@@ -189,28 +189,39 @@ def test_a_lost_peer_leaves_nothing_waited_on():
     torch.testing.assert_close(params, expected.float())
 
 
+def _auto_run(tmp_path, n: int, batch_size: int, accumulate: int) -> tuple[dict, float]:
+    """A simulated all-to-all run at 20 MB/s, steps of 8 ms: (summary, bytes sent per second)."""
+    config = small_config(
+        tmp_path, strategy="ako", workers=n, exchange="all-to-all", train_samples=None, batch_size=batch_size,
+        accumulate=accumulate, epochs=8.0 * accumulate, eval_every=1.0, seconds_per_sample=8e-3 / (batch_size * accumulate),
+        bandwidth="20MB",
+    )  # fmt: skip
+    summary = ako.simulate(config).summary
+    log = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    first, last = log[0], log[-2]  # the last record comes after the flush
+    return summary, (last["bytes_sent"] - first["bytes_sent"]) / (last["time"] - first["time"])
+
+
 def test_auto_caps_p_and_says_when_the_link_binds(tmp_path):
-    """All-to-all at 40 MB/s, 8 samples of 1 ms a step: p = ceil((n-1) G / (B c)) while that is
-    at most P_MAX = 4, and the bytes a worker sends stay within the link budget; from 16
-    workers on the budget asks for more (5, then 9), p stays 4, the summary says the run is
-    link-bound, and the link is what paces it: the bytes per second reach the link rate."""
-    bandwidth = 40e6
+    """All-to-all at 20 MB/s, 16 samples (2 micro-batches of 8) of 8 ms a step: p =
+    ceil((n-1) G / (B c)) while that is at most P_MAX = 8, and the bytes a worker sends stay
+    within the link budget; from 16 workers on the budget asks for more (9, then 18), p stays 8,
+    the summary says the run is link-bound, and the link is what paces it: the bytes per second
+    reach the link rate. Below SMALL_BATCH = 16 samples a step the cap is 4."""
+    bandwidth = 20e6
+    assert (ako_strategy.P_MAX, ako_strategy.P_MAX_SMALL_BATCH, ako_strategy.SMALL_BATCH) == (8, 4, 16)
     partitions, rates = [], []
     for n in (4, 8, 16, 32):
-        config = small_config(
-            tmp_path, strategy="ako", workers=n, exchange="all-to-all", train_samples=None, batch_size=8,
-            epochs=4.0, eval_every=1.0, seconds_per_sample=1e-3, bandwidth="40MB",
-        )  # fmt: skip
-        summary = ako.simulate(config).summary
+        summary, rate = _auto_run(tmp_path, n, batch_size=8, accumulate=2)
         partitions.append(summary["partitions"])
-        log = [json.loads(line) for line in (Path(summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-        first, last = log[0], log[-2]  # the last record comes after the flush
-        rates.append((last["bytes_sent"] - first["bytes_sent"]) / (last["time"] - first["time"]))
+        rates.append(rate)
         assert summary["partitions_reason"].startswith("link-bound" if n >= 16 else "auto")
-    assert ako_strategy.P_MAX == 4
-    assert partitions == [1, 2, 4, 4]  # ceil((n-1) x 90408 / 40000) = 1, 2, 5, 9; capped at 4
-    assert all(rate <= bandwidth * 1.05 for rate in rates), rates  # bytes count when sent, a window or two ahead of the link
+    assert partitions == [2, 4, 8, 8]  # ceil((n-1) x 90408 / 160000) = 2, 4, 9, 18; capped at 8
+    assert all(rate <= bandwidth * 1.05 for rate in rates), rates  # bytes count when sent: a window or two of 40 steps ahead
     assert rates[2] == pytest.approx(bandwidth, rel=0.05) and rates[3] == pytest.approx(bandwidth, rel=0.05)
+    summary, rate = _auto_run(tmp_path, 16, batch_size=8, accumulate=1)
+    assert summary["partitions"] == 4 and summary["partitions_reason"].startswith("link-bound: the link budget asks for p = 9, capped at 4")
+    assert rate == pytest.approx(bandwidth, rel=0.05)
 
 
 def _broken_flush(ctx):
@@ -265,13 +276,14 @@ def test_workers_that_stop_at_different_steps_finish(tmp_path, staleness):
     assert summary["consensus_distance"] < 1e-6
 
 
-@pytest.mark.parametrize("bandwidth,exchange,partitions", [("100MB", "all-to-all", 1), ("2MB", "ring", 4)])
+@pytest.mark.parametrize("bandwidth,exchange,partitions", [("100MB", "all-to-all", 1), ("1MB", "ring", 8)])
 def test_auto_takes_all_to_all_where_it_fits_the_link_and_the_ring_where_not(tmp_path, bandwidth, exchange, partitions):
     """4 workers, 16 samples of 1 ms a step: all-to-all needs 3 x 90,408 bytes a step, which
-    fits 100 MB/s x 16 ms at p = 1; at 2 MB/s it would need p = 9 > 4, so the ring (2 x 3/4 x
-    90,408 bytes / p), link-bound at p = 4."""
+    fits 100 MB/s x 16 ms at p = 1; at 1 MB/s it would need p = 17 > 8, so the ring (2 x 3/4 x
+    90,408 bytes / p, p = 9 wanted), link-bound at p = 8."""
     config = small_config(tmp_path, strategy="ako", workers=4, bandwidth=bandwidth, seconds_per_sample=1e-3)
     summary = ako.simulate(config).summary
     assert (summary["exchange"], summary["partitions"]) == (exchange, partitions)
     if exchange == "ring":
+        assert summary["partitions_reason"].startswith("link-bound: the link budget asks for p = 9, capped at 8")
         assert summary["partitions_reason"].endswith(f"the ring, as all-to-all would need more than p = {ako_strategy.P_MAX}")

@@ -29,9 +29,9 @@ Two exchanges of the windows (`--exchange`):
   bytes per worker per step, whatever n), started at once and applied s steps later, so it
   overlaps the next steps' computation. A collective needs every worker: a lost worker ends
   the run. `auto` picks all-to-all below RING_FROM workers where it fits the link with
-  p <= P_MAX, and the ring otherwise (`choose_plan`).
+  p <= p_max, and the ring otherwise (`choose_plan`).
 
-p and the staleness bound s: see `choose_plan` (p = auto is capped at P_MAX) and
+p and the staleness bound s: see `choose_plan` (p = auto is capped at `p_max`) and
 DEFAULT_STALENESS. A worker waits, after sending step t, until every peer has sent step t - s,
 so the ledger holds at most s + 1 windows and the link's backlog stays bounded: when the link
 cannot carry the traffic, the steps wait for it (backpressure).
@@ -53,7 +53,9 @@ from ako.strategies.tags import AKO_WINDOW
 
 FLUSH = -1  # `aux` of the flush message, which carries the whole accumulator; its `step` is the sender's step count
 _FLUSH_STEP = 1 << 62  # the ledger's key for the own flush, after every step
-P_MAX = 4  # the most partitions p = auto chooses (measured: docs/results.md, experiment 1)
+P_MAX = 8  # the most partitions p = auto chooses (measured: docs/results.md, experiment 1) ...
+P_MAX_SMALL_BATCH = 4  # ... but at fewer than SMALL_BATCH samples a step, where p = 8 diverged
+SMALL_BATCH = 16
 DEFAULT_STALENESS = 1  # steps a worker may run ahead of the slowest peer it has heard from
 RING_FROM = 8  # `--exchange auto`: the ring from this many workers on
 EXCHANGES = ("auto", "all-to-all", "ring")  # --exchange
@@ -290,10 +292,10 @@ def choose_plan(ctx):
     """The exchange and p, and why: (exchange, p, a one-line reason).
 
     `--exchange auto` takes all-to-all, which survives a lost worker, where it fits the link
-    with p <= P_MAX, and the ring (fewer bytes whatever n) from RING_FROM workers on or where
+    with p <= p_max, and the ring (fewer bytes whatever n) from RING_FROM workers on or where
     all-to-all would not fit. p from --partitions, or Ako's auto rule (Ako, sec. 3): the
     smallest p whose traffic fits the link budget B x T_step, with the most constrained
-    worker's step time and link (agreed by one all-reduce), capped at P_MAX; the reason starts
+    worker's step time and link (agreed by one all-reduce), capped at `p_max`; the reason starts
     "link-bound: ..." when the cap binds, i.e. the steps will wait for the link."""
     n, c = ctx.world_size, ctx.config
     if n == 1:
@@ -303,10 +305,10 @@ def choose_plan(ctx):
         return exchange, c.partitions, "set by --partitions"
     given = c.bandwidth_bytes
     step_time = yield MeasureStep()
-    bandwidth = given if given is not None else (yield MeasureBandwidth())
+    bandwidth = given if given is not None else (yield MeasureBandwidth(ctx.replica.grad_bytes))
     worst = torch.tensor([-step_time, -bandwidth], dtype=torch.float64)
     yield AllReduce(worst, "max")
-    budget = Budget(-worst[1].item(), -worst[0].item(), "given" if given is not None else "measured")
+    budget = Budget(-worst[1].item(), -worst[0].item(), "given" if given is not None else "measured", p_max(c.step_samples))
     numel, grad_bytes = ctx.replica.numel, ctx.replica.grad_bytes
     if c.exchange != "auto":
         return c.exchange, *budget.partitions(c.exchange, n, grad_bytes, numel)
@@ -314,25 +316,37 @@ def choose_plan(ctx):
     if n < RING_FROM and not reason.startswith("link-bound"):
         return "all-to-all", p, reason
     p, reason = budget.partitions("ring", n, grad_bytes, numel)
-    why = f"{n} workers" if n >= RING_FROM else f"all-to-all would need more than p = {P_MAX}"
+    why = f"{n} workers" if n >= RING_FROM else f"all-to-all would need more than p = {budget.cap}"
     return "ring", p, f"{reason}; the ring, as {why}"
+
+
+def p_max(step_samples: int) -> int:
+    """The most partitions p = auto takes for workers of `step_samples` samples a step.
+
+    Each partition is refreshed every p steps, so a replica carries up to p of its own steps in
+    place of its peers' mean; the noisier a step, the sooner that drifts. Measured in the
+    simulator (docs/results.md, experiment 1, 100 Mbit/s, where the cap binds): p = 8 against
+    p = 4 reached 80% in 0.5-0.9x the time at 8 to 32 workers of 64 to 16 samples, but at 64
+    workers of 8 samples p = 8 diverged on one seed of two (p = 4 trained on all three)."""
+    return P_MAX if step_samples >= SMALL_BATCH else P_MAX_SMALL_BATCH
 
 
 @dataclass(frozen=True)
 class Budget:
     """A worker's link budget: `bandwidth` (bytes/s, `source` given or measured) times the
-    measured seconds of a step, `step_time`."""
+    measured seconds of a step, `step_time`; `cap` is the most partitions it may ask for."""
 
     bandwidth: float
     step_time: float
     source: str
+    cap: int = P_MAX
 
     def partitions(self, exchange: str, n: int, grad_bytes: int, numel: int) -> tuple[int, str]:
         """p for `exchange`: (n-1) x G / p bytes a step all-to-all, 2 (n-1)/n x G / p on the
-        ring must fit B x T_step; capped at P_MAX. Returns (p, why)."""
+        ring must fit B x T_step; capped at `cap`. Returns (p, why)."""
         need = (n - 1) * grad_bytes if exchange == "all-to-all" else 2 * (n - 1) * grad_bytes / n
         wanted = auto_partitions(need, self.bandwidth, self.step_time, numel)
-        p = min(wanted, P_MAX)
+        p = min(wanted, self.cap)
         what = "(n-1) x gradient" if exchange == "all-to-all" else "2 (n-1)/n x gradient (ring)"
         b, t = self.bandwidth, self.step_time
         if p == wanted:
@@ -342,7 +356,7 @@ class Budget:
             )
         per_step = need / p
         return p, (
-            f"link-bound: the link budget asks for p = {wanted}, capped at {P_MAX} to keep the delay short; "
+            f"link-bound: the link budget asks for p = {wanted}, capped at {self.cap} to keep the delay short; "
             f"{what} / {p} = {per_step / 1e6:.2f} MB per step takes {per_step / b * 1e3:.1f} ms at "
             f"{b / 1e6:.1f} MB/s ({self.source}), longer than the {t * 1e3:.1f} ms step: on such a link the steps "
             "wait for it"
@@ -356,7 +370,7 @@ STRATEGY = Strategy(
     survives_loss=True,
     check=check,
     options=(
-        Option(name="partitions", help="number of gradient partitions p, or auto (the link budget's, at most 4)",
+        Option(name="partitions", help="number of gradient partitions p, or auto (the link budget's, at most 8; 4 below 16 samples a step)",
                check=Integer("partitions", 1, auto=True)),
         Option(name="exchange", help="all-to-all (every peer gets each window), ring (an all-reduce of each window), "
                "or auto (ring from 8 workers on, or where all-to-all would not fit the link)", choices=EXCHANGES),

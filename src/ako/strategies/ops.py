@@ -212,7 +212,11 @@ class MeasureStep:
 
 @dataclass(frozen=True)
 class MeasureBandwidth:
-    """Result: bytes per second this worker's link carries (measured, or from the cost model)."""
+    """Result: bytes per second this worker's link carries (measured, or from the cost model).
+    `probe_bytes`: what a measurement sends (the strategies give their gradient's bytes, so
+    the probe costs about what an exchange does)."""
+
+    probe_bytes: int
 
 
 class PeerLost(RuntimeError):

@@ -60,7 +60,7 @@ def choose_tau(ctx):
     if c.tau != "auto":
         return c.tau, "set by --tau"
     step_time = yield MeasureStep()
-    bandwidth = c.bandwidth_bytes if c.bandwidth is not None else (yield MeasureBandwidth())
+    bandwidth = c.bandwidth_bytes if c.bandwidth is not None else (yield MeasureBandwidth(ctx.replica.grad_bytes))
     servers = len(ctx.servers)
     need = ctx.world_size * ctx.replica.grad_bytes / servers
     ratio = need / (bandwidth * step_time) if bandwidth * step_time > 0 else math.inf
@@ -86,7 +86,7 @@ def _centre(ctx):
 def server(sctx):
     """EASGD server program: elastic updates of its shard of the centre variable."""
     if sctx.config.tau == "auto" and sctx.config.bandwidth is None:
-        yield MeasureBandwidth()  # every rank takes part in the workers' probe
+        yield MeasureBandwidth(sctx.replica.grad_bytes)  # every rank takes part in the workers' probe
     shard = Shard(sctx)
     alpha = sctx.config.beta / len(sctx.workers)
     running = set(sctx.workers)
