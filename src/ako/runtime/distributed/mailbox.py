@@ -306,8 +306,15 @@ class Mailbox:
                 thread.join(max(0.0, deadline - time.monotonic()))
         with self.send_lock:  # receive threads may still append answers
             pending = [p for queue in self.pending.values() for p in queue if p.dst not in self.lost]
+        said_goodbye = {peer for peer, thread in zip(self.peers, self.threads, strict=True) if not thread.is_alive()}
         for p in pending:
-            p.work.wait(timedelta(seconds=max(0.1, deadline - time.monotonic())))
+            try:
+                p.work.wait(timedelta(seconds=max(0.1, deadline - time.monotonic())))
+            except RuntimeError:
+                if p.dst not in said_goodbye:
+                    raise
+                # A peer that said goodbye is done and may have closed its connections first (a
+                # straggler finishes last): what was still going to it, it no longer needs.
         for queue in self.pending.values():
             queue.clear()
 
