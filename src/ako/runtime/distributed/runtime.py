@@ -28,7 +28,8 @@ from ako.strategies import ops
 from ako.strategies.tags import FINAL, PROBE, REPORT, RUN_STOP, SNAPSHOT, SNAPSHOT_REQUEST
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
-_PROBE_BYTES = (256 << 10, 4 << 20)  # a probe is the gradient's size, within these bounds
+_PROBE_BYTES = (256 << 10, 4 << 20)  # a first probe is the gradient's size, within these bounds
+_PROBE_SECONDS = 0.05  # how long the probes after the first should take
 
 
 class WallClock:
@@ -276,25 +277,30 @@ class DistributedRuntime:
             times.append(time.perf_counter() - t)
         return statistics.median(times)
 
-    def measure_bandwidth(self, probe_bytes: int, repeats: int = 2) -> float:
-        """Bytes per second of this worker's link, from a ring probe: every worker sends
-        `probe_bytes` (kept within 256 KiB and 4 MiB, so that tbf's burst and the latency do not
-        dominate) to the next rank and receives from the previous one at the same time. Best of
-        `repeats`. A probe the size of one gradient costs what a few exchanges cost: 0.13 s of
-        training time at 100 Mbit/s for the cnn's 0.83 MB, where a fixed 4 MB probe took 1 s."""
+    def measure_bandwidth(self, probe_bytes: int, repeats: int = 3) -> float:
+        """Bytes per second of this worker's link, from a ring probe: every worker sends a
+        probe to the next rank and receives one from the previous at the same time, `repeats`
+        times; the best time counts. The first probe is `probe_bytes` (at least 256 KiB); each
+        next one is what the slowest worker's last probe says the link carries in
+        _PROBE_SECONDS (256 KiB to 4 MiB), so a fast link gets probes long enough to measure
+        and a slow one is not held up: 0.3 s of training time at 100 Mbit/s for the cnn, where
+        three fixed 4 MB probes took 1.2 s."""
         n = self.world_size
         if n == 1:
             return float("inf")
         low, high = _PROBE_BYTES
         size = min(max(probe_bytes, low), high) // 4 * 4
-        probe = torch.zeros(size // 4)
         best = 0.0
+        self.barrier()  # start together
         for _ in range(repeats):
-            self.barrier()  # start together
             t = time.perf_counter()
-            self.mailbox.send(probe, (self.rank + 1) % n, PROBE)
+            self.mailbox.send(torch.zeros(size // 4), (self.rank + 1) % n, PROBE)
             self.mailbox.get(PROBE, (self.rank - 1) % n, self.timeout)
-            best = max(best, size / (time.perf_counter() - t))
+            elapsed = time.perf_counter() - t
+            best = max(best, size / elapsed)
+            # every worker agrees on the next size, and starts the next probe together
+            slowest = self.all_reduce(torch.tensor([elapsed], dtype=torch.float64), "max", count=False).item()
+            size = int(min(max(size / slowest * _PROBE_SECONDS, low), high)) // 4 * 4
         return best
 
     def gather_reports(self, facts: dict, params: torch.Tensor | None) -> tuple[list[dict], list[torch.Tensor]]:
