@@ -25,7 +25,7 @@ from ako.replica import Replica
 from ako.runtime.distributed import checkpoint
 from ako.strategies import STRATEGIES, Strategy, gossip
 from ako.strategies import ako as ako_strategy
-from ako.strategies.ops import Compute, Publish, Pull
+from ako.strategies.ops import Compute, ComputePartial, Publish, Pull
 
 
 def small_config(tmp_path, **overrides) -> TrainConfig:
@@ -51,9 +51,14 @@ def small_config(tmp_path, **overrides) -> TrainConfig:
 
 
 def sum_gradients(op, result, log) -> None:
-    """A `recorded` hook: the sum of every gradient computed, float64 (numel,), as `grad_sum`."""
+    """A `recorded` hook: the sum of every gradient a step used, float64 (numel,), as
+    `grad_sum` (a partial step's: its sum over the samples done, over the step's samples);
+    and the number of partial steps, as `partials`."""
     if isinstance(op, Compute):
         log["grad_sum"] = log.get("grad_sum", 0) + result.grad.double()
+    elif isinstance(op, ComputePartial):
+        log["grad_sum"] = log.get("grad_sum", 0) + result.grad_sum.double() / result.assigned
+        log["partials"] = log.get("partials", 0) + 1
 
 
 def make_replica(model, config: TrainConfig, steps: int = 1000) -> Replica:

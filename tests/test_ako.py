@@ -74,8 +74,10 @@ CONSERVATION = [("all-to-all", 7, 0), ("all-to-all", 7, 2), ("ring", 7, 1), ("ri
 @pytest.mark.parametrize("exchange,partitions,staleness", CONSERVATION)
 def test_no_update_is_lost_in_the_simulator(tmp_path, exchange, partitions, staleness):
     """Plain SGD: w_end = w_0 - lr/n x (the sum of every gradient of every worker) on every
-    replica after the flush, with a straggler making the arrival order uneven."""
-    _check_conservation(ako.simulate, tmp_path, exchange, partitions, staleness, seconds_per_sample=1e-3, bandwidth="5MB")
+    replica after the flush, with a straggler making the arrival order uneven (and, all-to-all
+    with s > 0, taking partial steps)."""
+    partials = _check_conservation(ako.simulate, tmp_path, exchange, partitions, staleness, seconds_per_sample=1e-3, bandwidth="5MB")
+    assert (sum(partials) > 0) == (exchange == "all-to-all" and staleness > 0), partials  # the straggler's
 
 
 @pytest.mark.parametrize("exchange,partitions,staleness", [("all-to-all", 7, 2), ("ring", 7, 1)])
@@ -97,6 +99,7 @@ def _check_conservation(run, tmp_path, exchange, partitions, staleness, **costs)
     for w in result.workers:
         applied = (start.double() - w.params.double()) * n / lr
         torch.testing.assert_close(applied, total, rtol=0, atol=2e-4)
+    return [w.facts.get("partials", 0) for w in result.workers]
 
 
 def _lr0(ctx):

@@ -74,7 +74,7 @@ class TrainConfig:
     staleness: int | None = None  # ako: bound s (0 = lock-step; default 1); ssp: s (default 2)
     bandwidth: str | None = None  # link budget, e.g. "1Gbit" or "50MB"; measured when None (simulate: every link's rate, free when None)
     servers: int | None = None  # parameter-server strategies: server processes (default 1)
-    micro_batch: int | None = None  # absp: samples per interruptible micro-batch (default batch_size // 4)
+    micro_batch: int | None = None  # absp, ako: samples per interruptible micro-batch (default batch_size // 4)
     tau: int | str | None = None  # easgd: steps between elastic rounds, or "auto" (default); gossip: between gossip rounds (1)
     beta: float = 0.9  # easgd: moving rate; elastic alpha = beta / workers
     gossip: str = "pull"  # gossip: "pull" (average with a peer's snapshot) or "push-sum"

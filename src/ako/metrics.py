@@ -148,6 +148,10 @@ def format_summary(s: dict) -> str:
             f"  partitions       p = {s['partitions']}, {s['exchange']}, staleness bound {s['staleness_bound']} "
             f"({s['partitions_reason']})"
         )
+    if s.get("partial_steps"):
+        each = " / ".join(str(w.get("partial_steps", 0)) for w in s["per_worker"])
+        lines.append(f"  partial steps    {each} steps cut short behind the peers (per worker); the samples left "
+                     "went first the step after")  # fmt: skip
     if "tau_reason" in s:
         lines.append(f"  elastic rounds   every tau = {s['tau']} steps ({s['tau_reason']})")
     if s.get("final_model"):

@@ -1,5 +1,5 @@
 """A worker's place in its data: its shard (`ShardSampler`), the steps and samples done, and
-A-BSP's samples waiting from an unfinished iteration."""
+the samples waiting from a partial step (A-BSP's, or Ako's behind a straggler)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,12 @@ class DataCursor:
     `DataLoader` with that many processes loads them ahead, in the same order, and a batch
     that takes longer than `timeout` seconds fails the run.
 
-    A-BSP's iterations may end before all of a mini-batch is processed: the samples not done
-    wait (`waiting`, with the iteration each was first assigned in) and go first next time,
-    then fresh ones from the shard's sample stream, of which `taken` have been handed out."""
+    A partial step (A-BSP's iterations; Ako's when a worker is behind) may end before all of a
+    mini-batch is processed: the samples not done wait (`waiting`, with the step each was
+    first assigned in) and go first next time, then fresh ones from the shard's sample stream,
+    of which `taken` have been handed out. Whole steps take whole batches of that stream
+    (`ShardSampler.batch(step)`, loaded ahead with `num_workers`) while it is aligned with
+    them; after a partial step, from where it got to, fetched in this process."""
 
     def __init__(self, train_set, rank: int, world_size: int, batch_size: int, seed: int, *, accumulate: int = 1,
                  collate_fn=None, num_workers: int = 0, timeout: float = 0.0):  # fmt: skip
@@ -47,7 +50,14 @@ class DataCursor:
 
     def next_batch(self) -> list:
         """The next step's micro-batches (`accumulate` of them, each of `batch_size` samples:
-        (x (B, C, H, W), y (B,)) for the built-in data sets)."""
+        (x (B, C, H, W), y (B,)) for the built-in data sets): the samples waiting from a partial
+        step first, then fresh ones."""
+        if len(self.waiting) or self.taken != self.step * self.batch_size:
+            self._loaded = None  # the loader reads ahead in whole batches of the stream
+            indices, _ = self.next_assignment()
+            self.waiting, self.waiting_since = indices[:0], indices[:0]
+            self.samples += self.batch_size
+            return [fetch(self.train_set, chunk, self.collate_fn) for chunk in indices.split(self.micro)]
         chunks = self.sampler.batch(self.step).split(self.micro)
         if self.num_workers:
             if self._loaded is None:
@@ -56,6 +66,7 @@ class DataCursor:
         else:
             batches = [fetch(self.train_set, chunk, self.collate_fn) for chunk in chunks]
         self.step += 1
+        self.taken += self.batch_size
         self.samples += self.batch_size
         return batches
 
@@ -67,8 +78,8 @@ class DataCursor:
                           num_workers=self.num_workers, timeout=self.timeout, worker_init_fn=_die_with_parent)  # fmt: skip
 
     def next_assignment(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A-BSP: this iteration's samples (indices int64 (B,)): those left waiting last time
-        first, then fresh ones up to a mini-batch; and the iteration each was first assigned in."""
+        """A partial step's samples (indices int64 (B,)): those left waiting last time first,
+        then fresh ones up to a mini-batch; and the step each was first assigned in."""
         fresh = self.sampler.stream(self.taken, self.batch_size - len(self.waiting))
         self.taken += len(fresh)
         indices = torch.cat([self.waiting, fresh])
@@ -77,14 +88,14 @@ class DataCursor:
         return indices, since
 
     def processed(self, indices: torch.Tensor, since: torch.Tensor, count: int) -> int:
-        """A-BSP: the first `count` of the assignment were processed; the rest wait for next
-        time. Returns the age in iterations of the oldest sample now waiting (0 if none)."""
+        """The first `count` of a partial step's assignment were processed; the rest wait for
+        next time. Returns the age in steps of the oldest sample now waiting (0 if none)."""
         self.samples += count
         self.waiting, self.waiting_since = indices[count:], since[count:]
         return 0 if len(self.waiting) == 0 else int(self.step - self.waiting_since.min())
 
     def state_dict(self) -> dict:
-        """For a checkpoint: steps, samples, A-BSP's waiting samples and how far the stream went."""
+        """For a checkpoint: steps, samples, the waiting samples and how far the stream went."""
         return {
             "step": self.step,
             "samples": self.samples,
@@ -97,6 +108,8 @@ class DataCursor:
         self._loaded = None
         self.step, self.samples, self.taken = int(state["step"]), int(state["samples"]), int(state["taken"])
         self.waiting, self.waiting_since = state["waiting"], state["waiting_since"]
+        if self.taken == 0 and not len(self.waiting):  # saved before whole steps counted `taken`
+            self.taken = self.step * self.batch_size
 
 
 def _die_with_parent(_worker_id: int) -> None:

@@ -8,7 +8,8 @@ yields. `drive` is the one loop between the two; `run_blocking` runs it on real 
 `compute` and `compute_partial` are a worker's computation, written once. A runtime gives them
 `gradient(batches, samples, slow)`, a generator that computes the real gradient of one step's
 micro-batches (`samples` in all) into the replica's buffer and lets their time pass (a
-straggler's `slow` times more), and, for A-BSP, `told_to_stop(tag, iteration)`.
+straggler's `slow` times more), and, for `ComputePartial`, `arrived(tag, step)`: whether a
+message with `tag` and a step >= `step` is in the worker's inbox (left there).
 """
 
 from __future__ import annotations
@@ -80,19 +81,19 @@ def compute_all_reduce(state, gradient: GradientFn) -> Generator:
 
 
 def compute_partial(
-    state, gradient: GradientFn, told_to_stop: Callable[[int, int], bool], micro_batch: int, stop_tag: int, iteration: int
+    state, gradient: GradientFn, arrived: Callable[[int, int], bool], micro_batch: int, stop_tag: int, stop_step: int
 ) -> Generator:  # fmt: skip
     """`ops.ComputePartial`, A-BSP's interruptible computation (Wang et al. 2018, section 3):
     the assignment micro-batch by micro-batch, stopping before the next one once a message
-    `stop_tag` for `iteration` has come. Returns a `PartialGradient` of the sum (numel,) of the
-    per-sample gradients done; the samples not done wait for the next iteration."""
+    `stop_tag` of a step >= `stop_step` has come. Returns a `PartialGradient` of the sum
+    (numel,) of the per-sample gradients done; the samples not done wait for the next step."""
     state.before_step()
     indices, since = state.cursor.next_assignment()
     slow = straggler_factor(state)
     grad_sum = torch.zeros_like(state.replica.grad)
     done, loss_sum = 0, 0.0
     for chunk in indices.split(micro_batch):
-        if done and told_to_stop(stop_tag, iteration):
+        if done and arrived(stop_tag, stop_step):
             break
         batch = fetch(state.cursor.train_set, chunk, state.cursor.collate_fn)
         loss_sum += (yield from gradient([batch], len(chunk), slow)) * len(chunk)

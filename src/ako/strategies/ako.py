@@ -35,6 +35,19 @@ p and the staleness bound s: see `choose_plan` (p = auto is capped at `p_max`) a
 DEFAULT_STALENESS. A worker waits, after sending step t, until every peer has sent step t - s,
 so the ledger holds at most s + 1 windows and the link's backlog stays bounded: when the link
 cannot carry the traffic, the steps wait for it (backpressure).
+
+Partial steps behind a straggler (all-to-all; A-BSP's partial processing, Wang et al.,
+Middleware 2018, applied to Ako's steps): the bound would make every worker wait for the
+slowest. So with s >= 1 a worker that is behind computes its mini-batch in micro-batches and
+stops after the current one once a peer's window of step t + s - 1 has come: that peer is one
+step from waiting for this worker's window t, which leaves a step's time for the rest of the
+micro-batch and the window's way. (With s = 0 every step waits for the slowest, as all-reduce.) Behind means: a peer had sent that window already when
+step t began, or step t - 1 was cut short (so that a straggler stays in step with its peers
+instead of falling behind again on every other step). The step uses the gradient sum over the
+samples done divided by the mini-batch size, a step smaller in proportion, so that every sample
+of every worker weighs the same in the replicas' average, as in an all-reduce over the samples
+processed. The samples not done go first next step, so none is skipped. The fast workers hardly
+wait, and the straggler keeps their pace in steps of fewer samples.
 """
 
 from __future__ import annotations
@@ -47,7 +60,9 @@ import torch
 
 from ako.checks import ConfigError, Integer
 from ako.strategies.base import Option, Strategy
-from ako.strategies.ops import AllReduce, Compute, MeasureBandwidth, MeasureStep, Message, PeerLost, Poll, Recv, Send, Wait
+from ako.strategies.micro_batch import check_micro_batch, default_micro_batch
+from ako.strategies.ops import (AllReduce, Compute, ComputePartial, MeasureBandwidth, MeasureStep, Message, PeerLost, Poll,
+                               Recv, Send, Wait)  # fmt: skip
 from ako.strategies.partition import auto_partitions, partition_bounds
 from ako.strategies.tags import AKO_WINDOW
 
@@ -69,8 +84,9 @@ def worker(ctx):
     s = DEFAULT_STALENESS if ctx.config.staleness is None else ctx.config.staleness
     parts = partition_bounds(ctx.replica.numel, p, ctx.replica.boundaries)
     run = _ring if exchange == "ring" else _all_to_all
-    steps, unflushed = yield from run(ctx, parts, s)
-    facts = {"steps": steps, "exchange": exchange, "partitions": p, "partitions_reason": reason, "staleness_bound": s}
+    steps, partial, unflushed = yield from run(ctx, parts, s)
+    facts = {"steps": steps, "exchange": exchange, "partitions": p, "partitions_reason": reason, "staleness_bound": s,
+             "partial_steps": partial}  # fmt: skip
     if ctx.rank == 0:
         facts["unflushed"] = unflushed
     return facts
@@ -97,14 +113,28 @@ class LocalSteps:
         return window
 
 
+def gradient(ctx, t: int, s: int, behind: bool):
+    """Step t's gradient (numel,) and whether the step was cut short: the whole mini-batch's
+    mean; or, when this worker is `behind` and partial steps are on (s >= 1, `micro_batch`
+    below the step's samples), the sum over the micro-batches done before a peer's window of
+    step t + s - 1 came, over the step's samples (see the module docstring)."""
+    step_samples = ctx.config.step_samples
+    if not behind or s == 0 or ctx.config.micro_batch >= step_samples:
+        return (yield Compute()).grad, False
+    part = yield ComputePartial(ctx.config.micro_batch, AKO_WINDOW, t + s - 1)
+    return part.grad_sum.div_(step_samples), part.samples < part.assigned
+
+
 def _all_to_all(ctx, parts, s):
     n, replica = ctx.world_size, ctx.replica
     own = LocalSteps(replica)
     ledger = Ledger(ctx.peers, n, replica.params, parts)
-    t = 0
+    t = partial = 0
+    cut = False
     while True:
-        g = yield Compute()
-        own.step(g.grad)
+        grad, cut = yield from gradient(ctx, t, s, behind=cut or ledger.fastest() >= t + s - 1)
+        partial += cut
+        own.step(grad)
         lo, hi = parts[t % len(parts)]
         window = own.take(lo, hi)
         ledger.sent(t, lo, hi, window)
@@ -126,7 +156,7 @@ def _all_to_all(ctx, parts, s):
         yield from receive(ledger, ledger.laggard())
         ledger.settle(up_to=_FLUSH_STEP)
     assert not ledger.own and not ledger.pending, "Ako's ledger must be settled after the flush"
-    return t, unflushed
+    return t, partial, unflushed
 
 
 def receive(ledger: Ledger, peer: int):
@@ -239,6 +269,10 @@ class Ledger:
         """The lowest step heard from any peer still training (-1 before any, inf when none)."""
         return min(self.last_step.values(), default=math.inf)
 
+    def fastest(self) -> float:
+        """The highest step heard from any peer still training (-1 before any or when none)."""
+        return max(self.last_step.values(), default=-1)
+
     def laggard(self) -> int:
         """The live peer still training that is furthest behind (the one to wait for)."""
         return min(self.last_step, key=self.last_step.get)
@@ -272,7 +306,7 @@ def _ring(ctx, parts, s):
     window = own.take(0, replica.numel)
     total = yield AllReduce(window.clone(), "sum")
     replica.params.add_(total.div_(n).sub_(window))
-    return t, unflushed
+    return t, 0, unflushed
 
 
 def _settle_ring(replica, n: int, lo: int, hi: int, mine: torch.Tensor, handle):
@@ -363,18 +397,27 @@ class Budget:
         )
 
 
+def summarise(reports: list[dict]) -> dict:
+    """The steps cut short over all workers (`partial_steps`)."""
+    return {"partial_steps": sum(r["partial_steps"] for r in reports if r["role"] == "worker")}
+
+
 STRATEGY = Strategy(
     name="ako",
     worker=worker,
     replicas_differ=True,
     survives_loss=True,
     check=check,
+    summarise=summarise,
     options=(
         Option(name="partitions", help="number of gradient partitions p, or auto (the link budget's, at most 8; 4 below 16 samples a step)",
                check=Integer("partitions", 1, auto=True)),
         Option(name="exchange", help="all-to-all (every peer gets each window), ring (an all-reduce of each window), "
                "or auto (ring from 8 workers on, or where all-to-all would not fit the link)", choices=EXCHANGES),
         Option(name="staleness", help="staleness bound s (0 = lock-step; default 1)", check=Integer("staleness", 0, 1000)),
+        Option(name="micro_batch", help="samples per micro-batch of a partial step, taken by a worker behind its peers "
+               "(all-to-all; default batch-size / 4; the samples of a step turn partial steps off)",
+               default=default_micro_batch, check=check_micro_batch),
         Option(name="bandwidth", help="link budget of p = auto, e.g. 1Gbit or 100MB (default: measured)"),
     ),
     paper="Watcharapichat et al., SoCC 2016; the update as delayed gradient averaging (Zhu et al., NeurIPS 2021)",

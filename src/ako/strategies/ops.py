@@ -71,15 +71,16 @@ class ReducedGradient(Gradient):
 @dataclass(frozen=True)
 class ComputePartial:
     """A-BSP's interruptible computation (Wang et al., Middleware 2018): work through this
-    iteration's assignment (the samples left over from last time first, then fresh ones, up to
-    a mini-batch) in micro-batches of `micro_batch` samples, and stop early, after the current
-    micro-batch, once a message with `stop_tag` and step == `iteration` has arrived. At least
-    one micro-batch is always processed. Result: `PartialGradient`; the samples not processed
-    go first next time."""
+    step's assignment (the samples left over from last time first, then fresh ones, up to a
+    mini-batch) in micro-batches of `micro_batch` samples, and stop early, after the current
+    micro-batch, once a message with `stop_tag` and step >= `stop_step` has arrived (it stays
+    in the inbox, to be received as usual). At least one micro-batch is always processed.
+    Result: `PartialGradient`; the samples not processed go first next time, by this operation
+    or by `Compute`."""
 
     micro_batch: int
     stop_tag: int
-    iteration: int
+    stop_step: int
 
 
 @dataclass(frozen=True)

@@ -295,6 +295,12 @@ class Mailbox:
             queue.clear()
             return messages
 
+    def arrived(self, tag: int, step: int) -> bool:
+        """Whether a message with `tag` and a step >= `step` has come and waits to be taken
+        (it is left in place): `ops.ComputePartial`'s signal to stop."""
+        with self.cond:
+            return any(m.step >= step for m in self.queues.get(tag, ()))
+
     def close(self, timeout: float) -> None:
         """Tell every peer we are done, wait for theirs and for our sends to complete."""
         for peer in self.peers:

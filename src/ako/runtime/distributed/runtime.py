@@ -145,8 +145,8 @@ class DistributedRuntime:
                 return (yield from compute(self.state, self._gradient))
             case ops.ComputeAllReduce(bucket_bytes):
                 return (yield from compute_all_reduce(self.state, lambda batches, samples, slow: self._gradient(batches, samples, slow, bucket_bytes)))
-            case ops.ComputePartial(micro_batch, stop_tag, iteration):
-                return (yield from compute_partial(self.state, self._gradient, self._told_to_stop, micro_batch, stop_tag, iteration))
+            case ops.ComputePartial(micro_batch, stop_tag, stop_step):
+                return (yield from compute_partial(self.state, self._gradient, self.mailbox.arrived, micro_batch, stop_tag, stop_step))
             case ops.Send(tensor, dst, tag, step, aux):
                 if not (self.survives_loss and dst in self.mailbox.lost):
                     self.mailbox.send(tensor.cpu(), dst, tag, step, aux, drop_lost=self.survives_loss)
@@ -196,10 +196,6 @@ class DistributedRuntime:
         self.mailbox.send(torch.empty(0), src, SNAPSHOT_REQUEST, drop_lost=self.survives_loss)
         message = self.receive(SNAPSHOT, src)
         return ops.Snapshot(src, message.step, message.tensor.to(self.device))
-
-    def _told_to_stop(self, tag: int, iteration: int) -> bool:
-        messages = self.mailbox.poll(tag, tolerant=self.survives_loss)
-        return any(m.step == iteration for m in messages)
 
     def _gradient(self, batches: list, samples: int, slow: float, bucket_bytes: int | None = None):
         """Gradient of one step's micro-batches into the replica's buffer; returns the loss.

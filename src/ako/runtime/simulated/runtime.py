@@ -112,6 +112,10 @@ class Node:
         """Every delivered message with `tag`, removed, in delivery order."""
         return [e.message for e in self.inbox.pop(tag, [])]
 
+    def arrived(self, tag: int, step: int) -> bool:
+        """Whether a delivered message with `tag` and a step >= `step` waits (left in place)."""
+        return any(e.message.step >= step for e in self.inbox.get(tag, ()))
+
     def blocked(self, since: float, ready: float, until: float) -> None:
         """Account a wait from `since` to `until` for something that started moving on the
         network at `ready`: idle before it, communication after it."""
@@ -170,10 +174,10 @@ class SimulatedRuntime:
             case ops.ComputeAllReduce(bucket_bytes):
                 gradient = yield from compute_all_reduce(node.state, lambda batches, samples, slow: self._gradient_reduced(node, batches, samples, slow, bucket_bytes))
                 return self._stepped(gradient)
-            case ops.ComputePartial(micro_batch, stop_tag, iteration):
+            case ops.ComputePartial(micro_batch, stop_tag, stop_step):
                 return self._stepped((yield from compute_partial(
                     node.state, lambda batches, samples, slow: self._gradient(node, batches, samples, slow),
-                    lambda tag, it: any(m.step == it for m in node.take_all(tag)), micro_batch, stop_tag, iteration,
+                    node.arrived, micro_batch, stop_tag, stop_step,
                 )))  # fmt: skip
             case ops.Send(tensor, dst, tag, step, aux):
                 self.send(node.rank, dst, ops.Message(node.rank, tag, step, aux, tensor))

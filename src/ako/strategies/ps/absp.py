@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from ako.checks import ConfigError, integer
 from ako.strategies.base import Option, Strategy
-from ako.strategies.ops import ComputePartial, Recv, Send
+from ako.strategies.micro_batch import check_micro_batch, default_micro_batch
+from ako.strategies.ops import ComputePartial, Poll, Recv, Send
 from ako.strategies.ps.shard import SERVERS, Shard, check, pack, pull_shards, push_shards, staleness_summary, unpack
 from ako.strategies.tags import ABSP_STOP, PS_PUSH
 
@@ -28,6 +28,7 @@ def worker(ctx):
     handed_in, oldest, t = 0.0, 0, ctx.resumed_step
     while True:
         part = yield ComputePartial(ctx.config.micro_batch, ABSP_STOP, t)
+        yield Poll(ABSP_STOP)  # this iteration's stop, if it came: a later one's is what counts next
         whole = part.samples == part.assigned
         vote = int(ctx.stopping)
         yield from push_shards(ctx, part.grad_sum, step=t, aux=pack((vote, 1), (int(whole), 1), (part.samples, 32)))
@@ -73,19 +74,6 @@ def summarise(reports: list[dict]) -> dict:
         "handed_in": round(sum(r["handed_in"] for r in workers) / len(workers), 4),
         "oldest_waiting": max(r["oldest_waiting"] for r in workers),
     }
-
-
-def default_micro_batch(config) -> int:
-    """A quarter of the mini-batch (at least 1 sample)."""
-    return max(1, config.batch_size // 4)
-
-
-def check_micro_batch(value, config) -> int:
-    """An integer from 1 to the mini-batch size. Raises ConfigError."""
-    micro_batch = integer("micro_batch", value, low=1)
-    if micro_batch > config.batch_size:
-        raise ConfigError(f"micro_batch {micro_batch}: must be at most batch_size {config.batch_size}")
-    return micro_batch
 
 
 STRATEGY = Strategy(
