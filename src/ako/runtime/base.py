@@ -81,19 +81,20 @@ def compute_all_reduce(state, gradient: GradientFn) -> Generator:
 
 
 def compute_partial(
-    state, gradient: GradientFn, arrived: Callable[[int, int], bool], micro_batch: int, stop_tag: int, stop_step: int
+    state, gradient: GradientFn, arrived: Callable[[int, int], bool], micro_batch: int, stop_tag: int, stop_step: int | None
 ) -> Generator:  # fmt: skip
     """`ops.ComputePartial`, A-BSP's interruptible computation (Wang et al. 2018, section 3):
     the assignment micro-batch by micro-batch, stopping before the next one once a message
-    `stop_tag` of a step >= `stop_step` has come. Returns a `PartialGradient` of the sum
-    (numel,) of the per-sample gradients done; the samples not done wait for the next step."""
+    `stop_tag` of a step >= `stop_step` has come (None: after the first). Returns a
+    `PartialGradient` of the sum (numel,) of the per-sample gradients done; the samples not
+    done wait for the next step."""
     state.before_step()
     indices, since = state.cursor.next_assignment()
     slow = straggler_factor(state)
     grad_sum = torch.zeros_like(state.replica.grad)
     done, loss_sum = 0, 0.0
     for chunk in indices.split(micro_batch):
-        if done and arrived(stop_tag, stop_step):
+        if done and (stop_step is None or arrived(stop_tag, stop_step)):
             break
         batch = fetch(state.cursor.train_set, chunk, state.cursor.collate_fn)
         loss_sum += (yield from gradient([batch], len(chunk), slow)) * len(chunk)

@@ -36,18 +36,20 @@ DEFAULT_STALENESS. A worker waits, after sending step t, until every peer has se
 so the ledger holds at most s + 1 windows and the link's backlog stays bounded: when the link
 cannot carry the traffic, the steps wait for it (backpressure).
 
-Partial steps behind a straggler (all-to-all; A-BSP's partial processing, Wang et al.,
-Middleware 2018, applied to Ako's steps): the bound would make every worker wait for the
-slowest. So with s >= 1 a worker that is behind computes its mini-batch in micro-batches and
-stops after the current one once a peer's window of step t + s - 1 has come: that peer is one
-step from waiting for this worker's window t, which leaves a step's time for the rest of the
-micro-batch and the window's way. (With s = 0 every step waits for the slowest, as all-reduce.) Behind means: a peer had sent that window already when
-step t began, or step t - 1 was cut short (so that a straggler stays in step with its peers
-instead of falling behind again on every other step). The step uses the gradient sum over the
-samples done divided by the mini-batch size, a step smaller in proportion, so that every sample
-of every worker weighs the same in the replicas' average, as in an all-reduce over the samples
-processed. The samples not done go first next step, so none is skipped. The fast workers hardly
-wait, and the straggler keeps their pace in steps of fewer samples.
+Partial steps behind a straggler (A-BSP's partial processing, Wang et al., Middleware 2018,
+applied to Ako's steps; s >= 1): the bound would make every worker wait for the slowest. So a
+worker that is behind computes its mini-batch in micro-batches and stops after the current one
+once a peer has reached step t + s - 1 (its window of that step came; on the ring, the next
+rank's progress message): that peer is one step from waiting for this worker's step t, which
+leaves it a step's time for the rest of the micro-batch and the window's way. Behind means: a
+peer had reached that step when step t began (then one micro-batch only), or step t - 1 was
+cut short (so that a straggler stays in step with its peers instead of falling behind again on
+every other step). The step uses the gradient sum over the samples done divided by the
+mini-batch size, a step smaller in proportion, so that every sample of every worker weighs the
+same in the replicas' average, as in an all-reduce over the samples processed. The samples not
+done go first next step, so none is skipped. The fast workers hardly wait, and the straggler
+keeps their pace in steps of fewer samples. (With s = 0 every step waits for the slowest, as
+all-reduce does.)
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ from ako.strategies.micro_batch import check_micro_batch, default_micro_batch
 from ako.strategies.ops import (AllReduce, Compute, ComputePartial, MeasureBandwidth, MeasureStep, Message, PeerLost, Poll,
                                Recv, Send, Wait)  # fmt: skip
 from ako.strategies.partition import auto_partitions, partition_bounds
-from ako.strategies.tags import AKO_WINDOW
+from ako.strategies.tags import AKO_PROGRESS, AKO_WINDOW
 
+_EMPTY = torch.empty(0)  # the ring's progress messages carry nothing but their step
 FLUSH = -1  # `aux` of the flush message, which carries the whole accumulator; its `step` is the sender's step count
 _FLUSH_STEP = 1 << 62  # the ledger's key for the own flush, after every step
 P_MAX = 8  # the most partitions p = auto chooses (measured: docs/results.md, experiment 1) ...
@@ -113,16 +116,24 @@ class LocalSteps:
         return window
 
 
-def gradient(ctx, t: int, s: int, behind: bool):
-    """Step t's gradient (numel,) and whether the step was cut short: the whole mini-batch's
-    mean; or, when this worker is `behind` and partial steps are on (s >= 1, `micro_batch`
-    below the step's samples), the sum over the micro-batches done before a peer's window of
-    step t + s - 1 came, over the step's samples (see the module docstring)."""
-    step_samples = ctx.config.step_samples
-    if not behind or s == 0 or ctx.config.micro_batch >= step_samples:
+def partial_steps(ctx, s: int) -> bool:
+    """Whether a worker behind its peers takes partial steps: s >= 1 (with s = 0 every step
+    waits for the slowest anyway), peers, and `micro_batch` below a step's samples."""
+    return s >= 1 and ctx.world_size > 1 and ctx.config.micro_batch < ctx.config.step_samples
+
+
+def gradient(ctx, t: int, s: int, heard: float, cut: bool, signal: int):
+    """Step t's gradient (numel,) and whether the step was cut short (see the module
+    docstring): the whole mini-batch's mean; or, when partial steps are on and this worker is
+    behind (the highest step `heard` from a peer is >= t + s - 1) or its last step was `cut`
+    short, the sum over the micro-batches done, over the step's samples. A partial step stops
+    once a message `signal` (a peer's progress) of step t + s - 1 comes, or after its first
+    micro-batch when one had come already."""
+    known = heard >= t + s - 1
+    if not ((known or cut) and partial_steps(ctx, s)):
         return (yield Compute()).grad, False
-    part = yield ComputePartial(ctx.config.micro_batch, AKO_WINDOW, t + s - 1)
-    return part.grad_sum.div_(step_samples), part.samples < part.assigned
+    part = yield ComputePartial(ctx.config.micro_batch, signal, None if known else t + s - 1)
+    return part.grad_sum.div_(ctx.config.step_samples), part.samples < part.assigned
 
 
 def _all_to_all(ctx, parts, s):
@@ -132,7 +143,7 @@ def _all_to_all(ctx, parts, s):
     t = partial = 0
     cut = False
     while True:
-        grad, cut = yield from gradient(ctx, t, s, behind=cut or ledger.fastest() >= t + s - 1)
+        grad, cut = yield from gradient(ctx, t, s, ledger.fastest(), cut, AKO_WINDOW)
         partial += cut
         own.step(grad)
         lo, hi = parts[t % len(parts)]
@@ -285,18 +296,27 @@ class Ledger:
 def _ring(ctx, parts, s):
     """The ring exchange: step t's windows summed by an all-reduce started at once and applied
     s steps later. The stop vote rides in the window's last element, so every worker sees
-    the same votes at the same step and all stop together, s steps after the first vote."""
+    the same votes at the same step and all stop together, s steps after the first vote.
+    With partial steps, each worker tells the previous rank (an empty message) when it has
+    started a step's all-reduce: a collective does not say who the others wait for, and one
+    neighbour ahead is enough for a straggler to know it is behind."""
     n, replica = ctx.world_size, ctx.replica
     own = LocalSteps(replica)
     inflight: deque = deque()  # (lo, hi, own window, handle), oldest first
-    t, stop = 0, False
+    t, stop, cut, heard, partial = 0, False, False, -1, 0
+    tell = partial_steps(ctx, s)
     while not stop:
-        g = yield Compute()
-        own.step(g.grad)
+        if tell:
+            heard = max([heard] + [m.step for m in (yield Poll(AKO_PROGRESS))])
+        grad, cut = yield from gradient(ctx, t, s, heard, cut, AKO_PROGRESS)
+        partial += cut
+        own.step(grad)
         lo, hi = parts[t % len(parts)]
         buf = replica.params.new_empty(hi - lo + 1)
         buf[:-1], buf[-1] = own.take(lo, hi), float(ctx.stopping)
         inflight.append((lo, hi, buf[:-1].clone(), (yield AllReduce(buf, "sum", wait=False))))
+        if tell:
+            yield Send(_EMPTY, (ctx.rank - 1) % n, AKO_PROGRESS, step=t)
         t += 1
         while len(inflight) > s:
             stop |= yield from _settle_ring(replica, n, *inflight.popleft())
@@ -306,7 +326,7 @@ def _ring(ctx, parts, s):
     window = own.take(0, replica.numel)
     total = yield AllReduce(window.clone(), "sum")
     replica.params.add_(total.div_(n).sub_(window))
-    return t, 0, unflushed
+    return t, partial, unflushed
 
 
 def _settle_ring(replica, n: int, lo: int, hi: int, mine: torch.Tensor, handle):

@@ -74,13 +74,14 @@ class ComputePartial:
     step's assignment (the samples left over from last time first, then fresh ones, up to a
     mini-batch) in micro-batches of `micro_batch` samples, and stop early, after the current
     micro-batch, once a message with `stop_tag` and step >= `stop_step` has arrived (it stays
-    in the inbox, to be received as usual). At least one micro-batch is always processed.
-    Result: `PartialGradient`; the samples not processed go first next time, by this operation
-    or by `Compute`."""
+    in the inbox, to be received as usual); `stop_step` None: after the first micro-batch (the
+    program knows already). At least one micro-batch is always processed. Result:
+    `PartialGradient`; the samples not processed go first next time, by this operation or by
+    `Compute`."""
 
     micro_batch: int
     stop_tag: int
-    stop_step: int
+    stop_step: int | None
 
 
 @dataclass(frozen=True)
