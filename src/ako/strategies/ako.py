@@ -37,18 +37,19 @@ so the ledger holds at most s + 1 windows and the link's backlog stays bounded: 
 cannot carry the traffic, the steps wait for it (backpressure).
 
 Partial steps behind a straggler (A-BSP's partial processing, Wang et al., Middleware 2018,
-applied to Ako's steps; s >= 1): the bound would make every worker wait for the slowest. So a
-worker that is behind computes its mini-batch in micro-batches and stops after the current one
-once a peer has reached step t + s - 1 (its window of that step came; on the ring, the next
-rank's progress message): that peer is one step from waiting for this worker's step t, which
-leaves it a step's time for the rest of the micro-batch and the window's way. Behind means: a
-peer had reached that step when step t began (then one micro-batch only), or step t - 1 was
-cut short (so that a straggler stays in step with its peers instead of falling behind again on
-every other step). The step uses the gradient sum over the samples done divided by the
-mini-batch size, a step smaller in proportion, so that every sample of every worker weighs the
-same in the replicas' average, as in an all-reduce over the samples processed. The samples not
-done go first next step, so none is skipped. The fast workers hardly wait, and the straggler
-keeps their pace in steps of fewer samples. (With s = 0 every step waits for the slowest, as
+applied to Ako's steps; s >= 1): the bound would make every worker wait for the slowest. A
+worker is the last at step t when a peer has already reached step t + s - 1 as it begins (that
+peer then waits for this worker's step t - 1). Some worker is the last of every step; one that
+is the last STRAGGLER_STEPS steps in a row is a straggler, and it stays one while its steps are
+cut short. A straggler computes its mini-batch in micro-batches and stops after the current one
+once a peer reaches step t + s - 1 (its window of that step comes; on the ring, the next rank's
+progress message), or after one micro-batch when one had already: that peer is one step from
+waiting for it, which leaves a step's time for the rest of the micro-batch and the window's
+way. The step uses the gradient sum over the samples done divided by the mini-batch size, a
+step smaller in proportion, so that every sample of every worker weighs the same in the
+replicas' average, as in an all-reduce over the samples processed. The samples not done go
+first next step, so none is skipped. The fast workers hardly wait, and the straggler keeps
+their pace in steps of fewer samples. (With s = 0 every step waits for the slowest, as
 all-reduce does.)
 """
 
@@ -117,35 +118,51 @@ class LocalSteps:
 
 
 def partial_steps(ctx, s: int) -> bool:
-    """Whether a worker behind its peers takes partial steps: s >= 1 (with s = 0 every step
-    waits for the slowest anyway), peers, and `micro_batch` below a step's samples."""
+    """Whether a straggler takes partial steps: s >= 1 (with s = 0 every step waits for the
+    slowest anyway), peers, and `micro_batch` below a step's samples."""
     return s >= 1 and ctx.world_size > 1 and ctx.config.micro_batch < ctx.config.step_samples
 
 
-def gradient(ctx, t: int, s: int, heard: float, cut: bool, signal: int):
-    """Step t's gradient (numel,) and whether the step was cut short (see the module
-    docstring): the whole mini-batch's mean; or, when partial steps are on and this worker is
-    behind (the highest step `heard` from a peer is >= t + s - 1) or its last step was `cut`
-    short, the sum over the micro-batches done, over the step's samples. A partial step stops
-    once a message `signal` (a peer's progress) of step t + s - 1 comes, or after its first
-    micro-batch when one had come already."""
-    known = heard >= t + s - 1
-    if not ((known or cut) and partial_steps(ctx, s)):
-        return (yield Compute()).grad, False
-    part = yield ComputePartial(ctx.config.micro_batch, signal, None if known else t + s - 1)
-    return part.grad_sum.div_(ctx.config.step_samples), part.samples < part.assigned
+STRAGGLER_STEPS = 3  # steps in a row a worker is the last before it counts as a straggler
+
+
+class Pace:
+    """A worker's steps, whole or partial (see the module docstring). `last` counts the steps
+    in a row that began with a peer already at step t + s - 1 (that peer waited for this
+    worker's step t - 1: it was the last); `share` is the share of its samples the last step
+    took; `cut` counts the steps cut short."""
+
+    def __init__(self, ctx, s: int):
+        self.ctx, self.s = ctx, s
+        self.on = partial_steps(ctx, s)
+        self.last, self.share, self.cut = 0, 1.0, 0
+
+    def gradient(self, t: int, heard: float, signal: int):
+        """Step t's gradient (numel,), given the highest step `heard` from a peer: the whole
+        mini-batch's mean; or, for a straggler (the last at STRAGGLER_STEPS steps in a row, or
+        cut short at its last step), the sum over the micro-batches done, over the step's
+        samples. A partial step stops once a message `signal` (a peer's progress) of step
+        t + s - 1 comes, or after one micro-batch when one had come already."""
+        behind = heard >= t + self.s - 1
+        self.last = self.last + 1 if behind else 0
+        if not (self.on and (self.last >= STRAGGLER_STEPS or self.share < 1)):
+            self.share = 1.0
+            return (yield Compute()).grad
+        config = self.ctx.config
+        part = yield ComputePartial(config.micro_batch, signal, None if behind else t + self.s - 1)
+        self.share = part.samples / part.assigned
+        self.cut += self.share < 1
+        return part.grad_sum.div_(config.step_samples)
 
 
 def _all_to_all(ctx, parts, s):
     n, replica = ctx.world_size, ctx.replica
     own = LocalSteps(replica)
     ledger = Ledger(ctx.peers, n, replica.params, parts)
-    t = partial = 0
-    cut = False
+    pace = Pace(ctx, s)
+    t = 0
     while True:
-        grad, cut = yield from gradient(ctx, t, s, ledger.fastest(), cut, AKO_WINDOW)
-        partial += cut
-        own.step(grad)
+        own.step((yield from pace.gradient(t, ledger.fastest(), AKO_WINDOW)))
         lo, hi = parts[t % len(parts)]
         window = own.take(lo, hi)
         ledger.sent(t, lo, hi, window)
@@ -167,7 +184,7 @@ def _all_to_all(ctx, parts, s):
         yield from receive(ledger, ledger.laggard())
         ledger.settle(up_to=_FLUSH_STEP)
     assert not ledger.own and not ledger.pending, "Ako's ledger must be settled after the flush"
-    return t, partial, unflushed
+    return t, pace.cut, unflushed
 
 
 def receive(ledger: Ledger, peer: int):
@@ -303,19 +320,17 @@ def _ring(ctx, parts, s):
     n, replica = ctx.world_size, ctx.replica
     own = LocalSteps(replica)
     inflight: deque = deque()  # (lo, hi, own window, handle), oldest first
-    t, stop, cut, heard, partial = 0, False, False, -1, 0
-    tell = partial_steps(ctx, s)
+    t, stop, heard = 0, False, -1
+    pace = Pace(ctx, s)
     while not stop:
-        if tell:
+        if pace.on:
             heard = max([heard] + [m.step for m in (yield Poll(AKO_PROGRESS))])
-        grad, cut = yield from gradient(ctx, t, s, heard, cut, AKO_PROGRESS)
-        partial += cut
-        own.step(grad)
+        own.step((yield from pace.gradient(t, heard, AKO_PROGRESS)))
         lo, hi = parts[t % len(parts)]
         buf = replica.params.new_empty(hi - lo + 1)
         buf[:-1], buf[-1] = own.take(lo, hi), float(ctx.stopping)
         inflight.append((lo, hi, buf[:-1].clone(), (yield AllReduce(buf, "sum", wait=False))))
-        if tell:
+        if pace.on:
             yield Send(_EMPTY, (ctx.rank - 1) % n, AKO_PROGRESS, step=t)
         t += 1
         while len(inflight) > s:
@@ -326,7 +341,7 @@ def _ring(ctx, parts, s):
     window = own.take(0, replica.numel)
     total = yield AllReduce(window.clone(), "sum")
     replica.params.add_(total.div_(n).sub_(window))
-    return t, partial, unflushed
+    return t, pace.cut, unflushed
 
 
 def _settle_ring(replica, n: int, lo: int, hi: int, mine: torch.Tensor, handle):
@@ -435,8 +450,8 @@ STRATEGY = Strategy(
         Option(name="exchange", help="all-to-all (every peer gets each window), ring (an all-reduce of each window), "
                "or auto (ring from 8 workers on, or where all-to-all would not fit the link)", choices=EXCHANGES),
         Option(name="staleness", help="staleness bound s (0 = lock-step; default 1)", check=Integer("staleness", 0, 1000)),
-        Option(name="micro_batch", help="samples per micro-batch of a partial step, taken by a worker behind its peers "
-               "(all-to-all; default batch-size / 4; the samples of a step turn partial steps off)",
+        Option(name="micro_batch", help="samples per micro-batch of a straggler's partial steps "
+               "(default batch-size / 4; the samples of a step turn partial steps off)",
                default=default_micro_batch, check=check_micro_batch),
         Option(name="bandwidth", help="link budget of p = auto, e.g. 1Gbit or 100MB (default: measured)"),
     ),
