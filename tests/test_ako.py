@@ -310,3 +310,5 @@ def test_partial_steps_keep_the_fast_workers_at_their_own_pace(tmp_path, exchang
     fast, slow = on["per_worker"][:3], on["per_worker"][3]
     assert [w["partial_steps"] for w in fast] == [0, 0, 0] and slow["partial_steps"] >= steps - slow_steps - 1
     assert all(w["samples"] == steps * 16 for w in fast) and slow["samples"] <= steps * 16 / 2
+    assert [w["samples_short"] for w in on["per_worker"]] == [0, 0, 0, steps * 16 - slow["samples"]]
+    assert on["samples_short"] == steps * 16 - slow["samples"] and off["samples_short"] == 0

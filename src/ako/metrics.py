@@ -149,9 +149,10 @@ def format_summary(s: dict) -> str:
             f"({s['partitions_reason']})"
         )
     if s.get("partial_steps"):
-        each = " / ".join(str(w.get("partial_steps", 0)) for w in s["per_worker"])
-        lines.append(f"  partial steps    {each} steps cut short behind the peers (per worker); the samples left "
-                     "went first the step after")  # fmt: skip
+        cut = " / ".join(str(w.get("partial_steps", 0)) for w in s["per_worker"])
+        short = " / ".join(str(w.get("samples_short", 0)) for w in s["per_worker"])
+        lines.append(f"  partial steps    a straggler's: {cut} steps cut short, {short} samples fewer than whole steps "
+                     "(per worker; what a step left went first the next)")  # fmt: skip
     if "tau_reason" in s:
         lines.append(f"  elastic rounds   every tau = {s['tau']} steps ({s['tau_reason']})")
     if s.get("final_model"):

@@ -88,9 +88,9 @@ def worker(ctx):
     s = DEFAULT_STALENESS if ctx.config.staleness is None else ctx.config.staleness
     parts = partition_bounds(ctx.replica.numel, p, ctx.replica.boundaries)
     run = _ring if exchange == "ring" else _all_to_all
-    steps, partial, unflushed = yield from run(ctx, parts, s)
+    steps, pace, unflushed = yield from run(ctx, parts, s)
     facts = {"steps": steps, "exchange": exchange, "partitions": p, "partitions_reason": reason, "staleness_bound": s,
-             "partial_steps": partial}  # fmt: skip
+             "partial_steps": pace.cut, "samples_short": pace.short}  # fmt: skip
     if ctx.rank == 0:
         facts["unflushed"] = unflushed
     return facts
@@ -130,12 +130,14 @@ class Pace:
     """A worker's steps, whole or partial (see the module docstring). `last` counts the steps
     in a row that began with a peer already at step t + s - 1 (that peer waited for this
     worker's step t - 1: it was the last); `share` is the share of its samples the last step
-    took; `cut` counts the steps cut short."""
+    took; `cut` counts the steps cut short, `short` the samples they left (what whole steps
+    would have taken and this worker did not: the end of its shard's stream it did not reach,
+    and what waits at the end)."""
 
     def __init__(self, ctx, s: int):
         self.ctx, self.s = ctx, s
         self.on = partial_steps(ctx, s)
-        self.last, self.share, self.cut = 0, 1.0, 0
+        self.last, self.share, self.cut, self.short = 0, 1.0, 0, 0
 
     def gradient(self, t: int, heard: float, signal: int):
         """Step t's gradient (numel,), given the highest step `heard` from a peer: the whole
@@ -152,6 +154,7 @@ class Pace:
         part = yield ComputePartial(config.micro_batch, signal, None if behind else t + self.s - 1)
         self.share = part.samples / part.assigned
         self.cut += self.share < 1
+        self.short += part.assigned - part.samples
         return part.grad_sum.div_(config.step_samples)
 
 
@@ -184,7 +187,7 @@ def _all_to_all(ctx, parts, s):
         yield from receive(ledger, ledger.laggard())
         ledger.settle(up_to=_FLUSH_STEP)
     assert not ledger.own and not ledger.pending, "Ako's ledger must be settled after the flush"
-    return t, pace.cut, unflushed
+    return t, pace, unflushed
 
 
 def receive(ledger: Ledger, peer: int):
@@ -341,7 +344,7 @@ def _ring(ctx, parts, s):
     window = own.take(0, replica.numel)
     total = yield AllReduce(window.clone(), "sum")
     replica.params.add_(total.div_(n).sub_(window))
-    return t, pace.cut, unflushed
+    return t, pace, unflushed
 
 
 def _settle_ring(replica, n: int, lo: int, hi: int, mine: torch.Tensor, handle):
@@ -414,6 +417,8 @@ class Budget:
         """p for `exchange`: (n-1) x G / p bytes a step all-to-all, 2 (n-1)/n x G / p on the
         ring must fit B x T_step; capped at `cap`. Returns (p, why)."""
         need = (n - 1) * grad_bytes if exchange == "all-to-all" else 2 * (n - 1) * grad_bytes / n
+        if math.isinf(self.bandwidth):
+            return 1, "auto: the link is free (a simulated link without --bandwidth), so p = 1"
         wanted = auto_partitions(need, self.bandwidth, self.step_time, numel)
         p = min(wanted, self.cap)
         what = "(n-1) x gradient" if exchange == "all-to-all" else "2 (n-1)/n x gradient (ring)"
@@ -433,8 +438,10 @@ class Budget:
 
 
 def summarise(reports: list[dict]) -> dict:
-    """The steps cut short over all workers (`partial_steps`)."""
-    return {"partial_steps": sum(r["partial_steps"] for r in reports if r["role"] == "worker")}
+    """Over all workers: the steps cut short (`partial_steps`) and the samples they left
+    (`samples_short`)."""
+    workers = [r for r in reports if r["role"] == "worker"]
+    return {key: sum(r[key] for r in workers) for key in ("partial_steps", "samples_short")}
 
 
 STRATEGY = Strategy(
@@ -451,7 +458,7 @@ STRATEGY = Strategy(
                "or auto (ring from 8 workers on, or where all-to-all would not fit the link)", choices=EXCHANGES),
         Option(name="staleness", help="staleness bound s (0 = lock-step; default 1)", check=Integer("staleness", 0, 1000)),
         Option(name="micro_batch", help="samples per micro-batch of a straggler's partial steps "
-               "(default batch-size / 4; the samples of a step turn partial steps off)",
+               "(default batch-size / 4; a step's samples, batch-size x accumulate, turn them off)",
                default=default_micro_batch, check=check_micro_batch),
         Option(name="bandwidth", help="link budget of p = auto, e.g. 1Gbit or 100MB (default: measured)"),
     ),
