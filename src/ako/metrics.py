@@ -251,7 +251,7 @@ def _rounded(x: float | None) -> float | None:
     return round(x, 5) if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
-_REPORT_KEYS = ("rank", "role", "steps", "samples", "bytes_sent", "bytes_received")
+_REPORT_KEYS = ("rank", "role", "steps", "samples", "partial_steps", "samples_short", "bytes_sent", "bytes_received")
 
 
 def _accuracy_first(item: tuple[str, object]) -> int:

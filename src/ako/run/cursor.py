@@ -24,21 +24,24 @@ class DataCursor:
     A partial step (A-BSP's iterations; Ako's when a worker is behind) may end before all of a
     mini-batch is processed: the samples not done wait (`waiting`, with the step each was
     first assigned in) and go first next time, then fresh ones from the shard's sample stream,
-    of which `taken` have been handed out. Whole steps take whole batches of that stream
-    (`ShardSampler.batch(step)`, loaded ahead with `num_workers`) while it is aligned with
-    them; after a partial step, from where it got to, fetched in this process."""
+    of which `taken` have been handed out. A whole step takes the waiting samples and fresh
+    ones, or, when none wait, the next whole batch of that stream (`ShardSampler.batch(step)`
+    while no step was partial), loaded ahead with `num_workers`: a loader made again from
+    where the stream got to after partial steps. `cut` counts the partial steps that left
+    samples waiting."""
 
     def __init__(self, train_set, rank: int, world_size: int, batch_size: int, seed: int, *, accumulate: int = 1,
                  collate_fn=None, num_workers: int = 0, timeout: float = 0.0):  # fmt: skip
         self.train_set, self.micro, self.batch_size = train_set, batch_size, batch_size * accumulate
         self.collate_fn, self.num_workers, self.timeout = collate_fn, num_workers, timeout
         self.sampler = ShardSampler(len(train_set), rank, world_size, self.batch_size, seed)
-        self._loaded = None  # the DataLoader's iterator, from the step it was made at
+        self._loaded = None  # (stream position it reads next, the DataLoader's iterator)
         self.step = 0  # mini-batches (or A-BSP assignments) begun
         self.samples = 0  # samples processed
         self.waiting = torch.empty(0, dtype=torch.int64)
         self.waiting_since = torch.empty(0, dtype=torch.int64)
         self.taken = 0
+        self.cut = 0
 
     @property
     def steps_per_epoch(self) -> int:
@@ -52,17 +55,17 @@ class DataCursor:
         """The next step's micro-batches (`accumulate` of them, each of `batch_size` samples:
         (x (B, C, H, W), y (B,)) for the built-in data sets): the samples waiting from a partial
         step first, then fresh ones."""
-        if len(self.waiting) or self.taken != self.step * self.batch_size:
-            self._loaded = None  # the loader reads ahead in whole batches of the stream
+        if len(self.waiting):  # fetched here: the loader reads ahead in whole batches of the stream
             indices, _ = self.next_assignment()
             self.waiting, self.waiting_since = indices[:0], indices[:0]
             self.samples += self.batch_size
             return [fetch(self.train_set, chunk, self.collate_fn) for chunk in indices.split(self.micro)]
-        chunks = self.sampler.batch(self.step).split(self.micro)
+        chunks = self.sampler.stream(self.taken, self.batch_size).split(self.micro)
         if self.num_workers:
-            if self._loaded is None:
-                self._loaded = iter(self._loader())
-            batches = [next(self._loaded) for _ in chunks]
+            if self._loaded is None or self._loaded[0] != self.taken:  # a partial step moved the stream on
+                self._loaded = (self.taken, iter(self._loader()))
+            batches = [next(self._loaded[1]) for _ in chunks]
+            self._loaded = (self.taken + self.batch_size, self._loaded[1])
         else:
             batches = [fetch(self.train_set, chunk, self.collate_fn) for chunk in chunks]
         self.step += 1
@@ -71,8 +74,10 @@ class DataCursor:
         return batches
 
     def _loader(self) -> DataLoader:
-        """A DataLoader of the micro-batches from this step on, forever (the run stops it)."""
-        micro_batches = ([c.tolist() for c in self.sampler.batch(t).split(self.micro)] for t in count(self.step))
+        """A DataLoader of whole steps' micro-batches from the stream position `taken` on,
+        forever (the run stops it)."""
+        start, size = self.taken, self.batch_size
+        micro_batches = ([c.tolist() for c in self.sampler.stream(start + k * size, size).split(self.micro)] for k in count())
         order = _Chunks(micro_batches)
         return DataLoader(self.train_set, batch_sampler=order, collate_fn=self.collate_fn or default_collate,
                           num_workers=self.num_workers, timeout=self.timeout, worker_init_fn=_die_with_parent)  # fmt: skip
@@ -91,6 +96,7 @@ class DataCursor:
         """The first `count` of a partial step's assignment were processed; the rest wait for
         next time. Returns the age in steps of the oldest sample now waiting (0 if none)."""
         self.samples += count
+        self.cut += count < len(indices)
         self.waiting, self.waiting_since = indices[count:], since[count:]
         return 0 if len(self.waiting) == 0 else int(self.step - self.waiting_since.min())
 
@@ -100,6 +106,7 @@ class DataCursor:
             "step": self.step,
             "samples": self.samples,
             "taken": self.taken,
+            "cut": self.cut,
             "waiting": self.waiting.clone(),
             "waiting_since": self.waiting_since.clone(),
         }
@@ -108,6 +115,8 @@ class DataCursor:
         self._loaded = None
         self.step, self.samples, self.taken = int(state["step"]), int(state["samples"]), int(state["taken"])
         self.waiting, self.waiting_since = state["waiting"], state["waiting_since"]
+        cut = state.get("cut", 0)  # a count for the summary; checkpoints before it have none
+        self.cut = cut if isinstance(cut, int) and not isinstance(cut, bool) and cut >= 0 else 0
         if self.taken == 0 and not len(self.waiting):  # saved before whole steps counted `taken`
             self.taken = self.step * self.batch_size
 

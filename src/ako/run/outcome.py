@@ -48,14 +48,18 @@ def open_log(run_dir: Path, config) -> MetricsLog:
 
 def rank_report(rank: int, state: WorkerState | None, facts: dict, sent: int, received: int) -> dict:
     """One rank's report for the summary (`per_worker`, and the servers' figures): its role,
-    steps and samples (a server, whose `state` is None, has none), bytes sent and received, and
-    its program's scalar facts."""
+    steps and samples (a server, whose `state` is None, has none), its partial steps that left
+    samples waiting and the samples it took fewer than whole steps would have, bytes sent and
+    received, and its program's scalar facts."""
+    cursor = state.cursor if state is not None else None
     return {
         **{k: v for k, v in facts.items() if isinstance(v, (str, int, float, bool))},
         "rank": rank,
         "role": "worker" if state is not None else "server",
-        "steps": state.cursor.step if state is not None else 0,  # a resumed run's too, not only this process's
-        "samples": state.cursor.samples if state is not None else 0,
+        "steps": cursor.step if cursor else 0,  # a resumed run's too, not only this process's
+        "samples": cursor.samples if cursor else 0,
+        "partial_steps": cursor.cut if cursor else 0,
+        "samples_short": cursor.step * cursor.batch_size - cursor.samples if cursor else 0,
         "bytes_sent": sent,
         "bytes_received": received,
     }

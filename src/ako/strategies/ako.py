@@ -88,9 +88,8 @@ def worker(ctx):
     s = DEFAULT_STALENESS if ctx.config.staleness is None else ctx.config.staleness
     parts = partition_bounds(ctx.replica.numel, p, ctx.replica.boundaries)
     run = _ring if exchange == "ring" else _all_to_all
-    steps, pace, unflushed = yield from run(ctx, parts, s)
-    facts = {"steps": steps, "exchange": exchange, "partitions": p, "partitions_reason": reason, "staleness_bound": s,
-             "partial_steps": pace.cut, "samples_short": pace.short}  # fmt: skip
+    steps, unflushed = yield from run(ctx, parts, s)
+    facts = {"steps": steps, "exchange": exchange, "partitions": p, "partitions_reason": reason, "staleness_bound": s}
     if ctx.rank == 0:
         facts["unflushed"] = unflushed
     return facts
@@ -130,14 +129,13 @@ class Pace:
     """A worker's steps, whole or partial (see the module docstring). `last` counts the steps
     in a row that began with a peer already at step t + s - 1 (that peer waited for this
     worker's step t - 1: it was the last); `share` is the share of its samples the last step
-    took; `cut` counts the steps cut short, `short` the samples they left (what whole steps
-    would have taken and this worker did not: the end of its shard's stream it did not reach,
-    and what waits at the end)."""
+    took. (The run's summary counts the steps cut short from the data cursor, which a
+    checkpoint keeps.)"""
 
     def __init__(self, ctx, s: int):
         self.ctx, self.s = ctx, s
         self.on = partial_steps(ctx, s)
-        self.last, self.share, self.cut, self.short = 0, 1.0, 0, 0
+        self.last, self.share = 0, 1.0
 
     def gradient(self, t: int, heard: float, signal: int):
         """Step t's gradient (numel,), given the highest step `heard` from a peer: the whole
@@ -153,8 +151,6 @@ class Pace:
         config = self.ctx.config
         part = yield ComputePartial(config.micro_batch, signal, None if behind else t + self.s - 1)
         self.share = part.samples / part.assigned
-        self.cut += self.share < 1
-        self.short += part.assigned - part.samples
         return part.grad_sum.div_(config.step_samples)
 
 
@@ -187,7 +183,7 @@ def _all_to_all(ctx, parts, s):
         yield from receive(ledger, ledger.laggard())
         ledger.settle(up_to=_FLUSH_STEP)
     assert not ledger.own and not ledger.pending, "Ako's ledger must be settled after the flush"
-    return t, pace, unflushed
+    return t, unflushed
 
 
 def receive(ledger: Ledger, peer: int):
@@ -344,7 +340,7 @@ def _ring(ctx, parts, s):
     window = own.take(0, replica.numel)
     total = yield AllReduce(window.clone(), "sum")
     replica.params.add_(total.div_(n).sub_(window))
-    return t, pace, unflushed
+    return t, unflushed
 
 
 def _settle_ring(replica, n: int, lo: int, hi: int, mine: torch.Tensor, handle):
@@ -438,8 +434,8 @@ class Budget:
 
 
 def summarise(reports: list[dict]) -> dict:
-    """Over all workers: the steps cut short (`partial_steps`) and the samples they left
-    (`samples_short`)."""
+    """Over all workers: the partial steps that left samples waiting (`partial_steps`) and the
+    samples taken fewer than whole steps would have (`samples_short`)."""
     workers = [r for r in reports if r["role"] == "worker"]
     return {key: sum(r[key] for r in workers) for key in ("partial_steps", "samples_short")}
 

@@ -12,8 +12,9 @@ def default_micro_batch(config) -> int:
 
 
 def check_micro_batch(value, config) -> int:
-    """An integer from 1 to the mini-batch size. Raises ConfigError."""
+    """An integer from 1 to a step's samples (batch_size x accumulate). Raises ConfigError."""
     micro_batch = integer("micro_batch", value, low=1)
-    if micro_batch > config.batch_size:
-        raise ConfigError(f"micro_batch {micro_batch}: must be at most batch_size {config.batch_size}")
+    if micro_batch > config.step_samples:
+        per_step = f"batch_size {config.batch_size}" + (f" x accumulate {config.accumulate}" if config.accumulate > 1 else "")
+        raise ConfigError(f"micro_batch {micro_batch}: must be at most a step's samples, {per_step}")
     return micro_batch
