@@ -123,8 +123,9 @@ def format_summary(s: dict) -> str:
     ]
     if s.get("samples_left_out_per_epoch"):
         left, total = s["samples_left_out_per_epoch"], s["train_samples"]
+        cut = "; fewer where steps were cut short (partial steps, below)" if s.get("partial_steps") else ""
         lines.append(f"  data             {total - left} of {total} training samples an epoch: {left} ({left / total:.1%}) left out "
-                     "each epoch, other ones each time (whole steps of equal shards)")  # fmt: skip
+                     f"each epoch, other ones each time (whole steps of equal shards){cut}")  # fmt: skip
     for server in s.get("per_server", []):
         lines.append(
             f"  server rank {server['rank']:<4} in {server['bytes_in_per_second'] / 1e6:.2f} MB/s, "
@@ -151,7 +152,7 @@ def format_summary(s: dict) -> str:
     if s.get("partial_steps"):
         cut = " / ".join(str(w.get("partial_steps", 0)) for w in s["per_worker"])
         short = " / ".join(str(w.get("samples_short", 0)) for w in s["per_worker"])
-        lines.append(f"  partial steps    a straggler's: {cut} steps cut short, {short} samples fewer than whole steps "
+        lines.append(f"  partial steps    {cut} steps cut short behind the peers, {short} samples fewer than whole steps "
                      "(per worker; what a step left went first the next)")  # fmt: skip
     if "tau_reason" in s:
         lines.append(f"  elastic rounds   every tau = {s['tau']} steps ({s['tau_reason']})")
