@@ -116,7 +116,7 @@ class LocalSteps:
         return window
 
 
-def partial_steps(ctx, s: int) -> bool:
+def takes_partial_steps(ctx, s: int) -> bool:
     """Whether a straggler takes partial steps: s >= 1 (with s = 0 every step waits for the
     slowest anyway), peers, and `micro_batch` below a step's samples."""
     return s >= 1 and ctx.world_size > 1 and ctx.config.micro_batch < ctx.config.step_samples
@@ -134,7 +134,7 @@ class Pace:
 
     def __init__(self, ctx, s: int):
         self.ctx, self.s = ctx, s
-        self.on = partial_steps(ctx, s)
+        self.on = takes_partial_steps(ctx, s)
         self.last, self.share = 0, 1.0
 
     def gradient(self, t: int, heard: float, signal: int):

@@ -28,7 +28,7 @@ def worker(ctx):
     handed_in, oldest, t = 0.0, 0, ctx.resumed_step
     while True:
         part = yield ComputePartial(ctx.config.micro_batch, ABSP_STOP, t)
-        yield Poll(ABSP_STOP)  # this iteration's stop, if it came: a later one's is what counts next
+        yield Poll(ABSP_STOP)  # drop this iteration's stop, if it came: ComputePartial leaves it in the inbox
         whole = part.samples == part.assigned
         vote = int(ctx.stopping)
         yield from push_shards(ctx, part.grad_sum, step=t, aux=pack((vote, 1), (int(whole), 1), (part.samples, 32)))
