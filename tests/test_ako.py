@@ -227,6 +227,27 @@ def test_auto_caps_p_and_says_when_the_link_binds(tmp_path):
     assert rate == pytest.approx(bandwidth, rel=0.05)
 
 
+def test_the_plans_measurements_are_not_training_time(monkeypatch):
+    """`MeasureStep` and `MeasureBandwidth` (p = auto's step time and link) pause the real
+    runtime's training clock, as the simulator charges them no virtual time: 0.2 s each of
+    measuring leave the training seconds at about 0 and the wall seconds at 0.4 or more."""
+    import time
+
+    from ako.runtime.base import run_blocking
+    from ako.runtime.distributed.runtime import DistributedRuntime, WallClock
+    from ako.strategies.ops import MeasureBandwidth, MeasureStep
+
+    runtime = object.__new__(DistributedRuntime)  # no process group: only the clock and the two measurements
+    runtime.clock = WallClock()
+    runtime.clock.begin()
+    monkeypatch.setattr(runtime, "measure_step", lambda: time.sleep(0.2) or 0.01)
+    monkeypatch.setattr(runtime, "measure_bandwidth", lambda probe_bytes: time.sleep(0.2) or 1e6)
+    assert run_blocking(runtime.execute(MeasureStep())) == 0.01
+    assert run_blocking(runtime.execute(MeasureBandwidth(1024))) == 1e6
+    assert runtime.clock.wall() >= 0.4
+    assert runtime.clock.now() < 0.05
+
+
 def _broken_flush(ctx):
     """Ako, and then a flush gone wrong: the final replicas are zeroed."""
     facts = yield from ako_strategy.worker(ctx)

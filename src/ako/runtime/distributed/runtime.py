@@ -34,7 +34,8 @@ _PROBE_SECONDS = 0.05  # how long the probes after the first should take
 
 class WallClock:
     """`ako.run.worker.Clock` on real time. Training seconds: wall time since `begin`, less
-    the time spent in `pause` blocks (evaluations), so time to accuracy counts training only."""
+    the time spent in `pause` blocks (evaluations, checkpoints, and a strategy's measurements
+    of its step time and link for its plan), so time to accuracy counts training only."""
 
     def __init__(self):
         self.start = time.perf_counter()
@@ -169,9 +170,11 @@ class DistributedRuntime:
             case ops.Wait(handle):
                 return self._wait(handle)
             case ops.MeasureStep():
-                return self.measure_step()
+                with self.clock.pause():  # planning, not training: the simulator charges it no time either
+                    return self.measure_step()
             case ops.MeasureBandwidth(probe_bytes):
-                return self.measure_bandwidth(probe_bytes)
+                with self.clock.pause():
+                    return self.measure_bandwidth(probe_bytes)
         raise TypeError(f"unknown operation {op!r}")
 
     def receive(self, tag: int, src: int | None):
