@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from datetime import timedelta
 
@@ -62,6 +63,24 @@ def worker(numel: int, rounds: int, micro_batch: int) -> dict:
     return medians
 
 
+def check(args) -> tuple[list[int], int]:
+    """The worker counts and the floats all-reduced; exits 2 with one line naming a bad value."""
+    def bad(message: str):
+        print(f"overlap.py: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    texts = args.workers.split(",")
+    if not all(t.strip().isdigit() and 2 <= int(t) <= 64 for t in texts) or len(set(texts)) != len(texts):
+        bad(f"--workers {args.workers!r}: distinct comma-separated counts from 2 to 64, like 2,4")
+    if not 0.004 <= args.kib <= 1 << 20:  # also refuses nan
+        bad(f"--kib {args.kib:g}: from 0.004 (one float) to 1048576 (1 GiB)")
+    if not 1 <= args.micro_batch <= 4096:
+        bad(f"--micro-batch {args.micro_batch}: from 1 to 4096 samples")
+    if not 4 <= args.rounds <= 100_000:
+        bad(f"--rounds {args.rounds}: from 4 to 100000")
+    return [int(t) for t in texts], int(args.kib * 1024 / 4)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", default="2,4", help="comma-separated worker counts")
@@ -69,15 +88,17 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=8, help="samples of one compute tick")
     parser.add_argument("--rounds", type=int, default=40)
     args = parser.parse_args()
-    counts = [int(n) for n in args.workers.split(",") if n.strip().isdigit()]
-    if len(counts) != len(args.workers.split(",")) or any(n < 2 for n in counts) or args.kib <= 0 or args.micro_batch < 1 or args.rounds < 4:
-        parser.error("--workers: counts of at least 2; --kib, --micro-batch: positive; --rounds: at least 4")
-    numel = int(args.kib * 1024 / 4)
-    print(f"background all-reduce of {args.kib:g} KiB, {os.cpu_count()} cores, computing on {args.micro_batch} samples a tick, median of {args.rounds} rounds")
+    counts, numel = check(args)
+    print(f"background all-reduce of {args.kib:g} KiB, {os.cpu_count()} cores, "
+          f"computing on {args.micro_batch} samples a tick, median of {args.rounds} rounds")  # fmt: skip
     print(f"{'workers':>8} {'sleeping':>10} {'computing':>10} {'ratio':>7}")
-    for n in counts:
-        m = launch_function(worker, n, numel, args.rounds, args.micro_batch)[0]
-        print(f"{n:>8} {m['sleeping'] * 1e3:>8.1f}ms {m['computing'] * 1e3:>8.1f}ms {m['computing'] / m['sleeping']:>6.1f}x")
+    try:
+        for n in counts:
+            m = launch_function(worker, n, numel, args.rounds, args.micro_batch)[0]
+            print(f"{n:>8} {m['sleeping'] * 1e3:>8.1f}ms {m['computing'] * 1e3:>8.1f}ms {m['computing'] / m['sleeping']:>6.1f}x")
+    except KeyboardInterrupt:
+        print("overlap.py: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

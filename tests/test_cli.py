@@ -177,6 +177,23 @@ def test_flags_override_the_config_file(tmp_path):
     assert (config.strategy, config.workers, config.lr, config.staleness, config.batch_size) == ("ako", 4, 0.2, None, 32)
 
 
+def test_a_runs_config_file_serves_another_strategy(tmp_path):
+    """A run's config.toml records its options resolved (ako: micro_batch = batch_size // 4);
+    given to a strategy without that option it is taken as the default it is, while a value
+    someone chose is still refused."""
+    from ako.checks import ConfigError
+    from ako.cli import build_parser, config_from_args
+    from ako.config import to_toml
+
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(config_from_args(build_parser().parse_args(["train", "--strategy", "ako", "--batch-size", "32"]))))
+    assert "micro_batch = 8" in path.read_text()
+    config = config_from_args(build_parser().parse_args(["train", "--config", str(path), "--strategy", "allreduce"]))
+    assert (config.strategy, config.batch_size, config.micro_batch) == ("allreduce", 32, 8)
+    with pytest.raises(ConfigError, match="micro_batch 8: strategy allreduce has no such option"):
+        config_from_args(build_parser().parse_args(["train", "--config", str(path), "--strategy", "allreduce", "--batch-size", "64"]))
+
+
 def test_exit_status_2_from_the_console_script(tmp_path):
     """The real process: status 2, one line, no traceback."""
     proc = subprocess.run(

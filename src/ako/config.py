@@ -284,7 +284,7 @@ def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
     for name, users in option_users().items():
         if name == "bandwidth" and simulated:
             continue  # the simulator's link rate, for every strategy
-        if c.strategy not in users and getattr(c, name) != FIELDS[name].default:
+        if c.strategy not in users and not _is_default(name, getattr(c, name), c):
             raise ConfigError(
                 f"{name} {show(getattr(c, name))}: strategy {c.strategy} has no such option "
                 f"(it is for {', '.join(users)})"
@@ -354,6 +354,21 @@ def _validate_training(c: TrainConfig) -> None:
     c.lr_decay_epochs = number("lr_decay_epochs", c.lr_decay_epochs, low=0.0, high=1e6, low_open=True)
     c.accumulate = integer("accumulate", c.accumulate, low=1, high=1 << 20)
     c.num_workers = integer("num_workers", c.num_workers, low=0, high=256)
+
+
+def _is_default(name: str, value, c: TrainConfig) -> bool:
+    """Whether `value` is what option `name` is by default: the field's default, or what a
+    strategy that takes the option makes of None (a run's config.toml records it resolved,
+    e.g. micro_batch = batch_size // 4, so that file can be given to another strategy)."""
+    if value == FIELDS[name].default:
+        return True
+    for option in (o for s in REGISTRY.values() for o in s.options if o.name == name):
+        try:
+            if value == (option.default(c) if callable(option.default) else option.default):
+                return True
+        except (TypeError, ValueError):  # the config's other fields are checked later
+            pass
+    return False
 
 
 def _validate_cluster(c: TrainConfig) -> None:
