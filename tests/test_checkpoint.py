@@ -29,6 +29,7 @@ def worker_state(numel: int) -> dict:
         "role": "worker",
         "params": torch.zeros(numel),
         "optimizer": {"optimizer": {"state": {}, "param_groups": [{"params": [0]}]}, "scheduler": None, "steps": 0},
+        "buffers": {},
         "worker": {"step": 7, "samples": 0, "taken": 0, "waiting": torch.zeros(0, dtype=torch.long),
                    "waiting_since": torch.zeros(0, dtype=torch.long),
                    "slowdown_rng": json.dumps(np.random.default_rng(0).bit_generator.state),
@@ -210,6 +211,8 @@ def _damage(run_dir, how: str) -> None:
             groups.append(dict(groups[0]))
         elif how == "torch rng cut":
             state["worker"]["torch_rng"] = state["worker"]["torch_rng"][:7]
+        elif how == "buffers of numbers":
+            state["buffers"] = {"1.running_mean": 0.5}
         elif how == "another numpy rng":
             state["worker"]["slowdown_rng"] = json.dumps({"bit_generator": "MT19937", "state": {}})
         torch.save(state, file)
@@ -228,6 +231,7 @@ def _damage(run_dir, how: str) -> None:
         ("two parameter groups", "damaged, its optimizer has 2 parameter groups, not 1"),
         ("torch rng cut", "damaged, its worker.torch_rng is not a state of torch's generator (7 torch.uint8 values)"),
         ("another numpy rng", "damaged, its worker.slowdown_rng is not a state of NumPy's PCG64 generator"),
+        ("buffers of numbers", "damaged, its buffers are not tensors by name"),
     ],
 )
 def test_damaged_contents_fall_back_to_the_newest_intact_checkpoint(tmp_path, capsys, how, why):
@@ -252,3 +256,21 @@ def test_a_checkpoint_that_does_not_fit_the_optimizer_is_one_line(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match=r"^checkpoint 'f.pt': damaged, it does not fit this run \(ValueError: "):
         with checkpoint.restoring("f.pt"):
             replica.optimizer.load_state_dict(state)
+
+
+def test_a_replica_s_buffers_go_into_another_and_misfits_are_one_line(tmp_path):
+    """BatchNorm's running statistics travel through `buffers` and `load_buffers` (what a
+    worker's checkpoint holds); a missing buffer or one of another shape is one line."""
+    job = Job(small_config(tmp_path, model="own_training:digits_net"))
+    data = job.load_data()
+    trained, fresh = (job.build_replica(data, torch.device("cpu")) for _ in range(2))
+    trained.compute_gradient([(data.train[:16][0], data.train[:16][1])])  # a forward in train mode moves the statistics
+    saved = trained.buffers()
+    assert saved.keys() == {"1.running_mean", "1.running_var", "1.num_batches_tracked"} and saved["1.num_batches_tracked"] == 1
+    fresh.load_buffers(saved)
+    assert all(torch.equal(fresh.buffers()[name], saved[name]) for name in saved)
+    for broken, error in (({**saved, "1.running_mean": torch.zeros(3)}, "RuntimeError"),
+                          ({k: v for k, v in saved.items() if k != "1.running_var"}, "KeyError")):  # fmt: skip
+        with pytest.raises(checkpoint.CheckpointError, match=rf"^checkpoint 'f.pt': damaged, it does not fit this run \({error}: "):
+            with checkpoint.restoring("f.pt"):
+                fresh.load_buffers(broken)

@@ -153,6 +153,21 @@ class Replica:
             self.loss_scale.unscale(self.grad)
         return total
 
+    def _buffer_state(self) -> dict[str, torch.Tensor]:
+        params = {name for name, _ in self.model.named_parameters()}
+        return {k: v for k, v in self.model.state_dict().items() if k not in params and isinstance(v, torch.Tensor)}
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Copies of the module's state that is not a parameter, by `state_dict` name: its
+        persistent buffers (BatchNorm's running statistics and count), on the CPU."""
+        return {name: t.detach().cpu().clone() for name, t in self._buffer_state().items()}
+
+    def load_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Set the module's buffers to `buffers` (what `buffers` gave). Raises KeyError for
+        a buffer `buffers` lacks and RuntimeError for one of another shape."""
+        for name, live in self._buffer_state().items():  # state_dict's tensors share the buffers' storage
+            live.copy_(buffers[name])
+
     def step(self, grad: torch.Tensor) -> None:
         """One optimizer step (and schedule step) with `grad`, shape (numel,), as gradient."""
         self.optimizer.step(grad)

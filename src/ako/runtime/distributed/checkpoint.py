@@ -20,7 +20,9 @@ call reaches after T skips that checkpoint, which stays incomplete), so a resume
 continues exactly where it was; under the others, each rank's state is its own at about that
 time.
 
-What: a worker's replica (parameters and optimizer state) and `WorkerState.state_dict` (its
+What: a worker's replica (parameters, optimizer state, and the module's buffers such as
+BatchNorm's running statistics; files written before 2026-12-03 have no buffers, and a
+resume from one keeps the new module's) and `WorkerState.state_dict` (its
 place in the data, straggler draws, RNG, training seconds); a server's shard (`Shard`);
 both with the bytes moved so far. Not saved: state a strategy program keeps between steps
 (Ako's accumulated gradient not yet sent, messages in flight), which starts empty again.
@@ -198,14 +200,18 @@ def _misfit(value, layout, where: str = "") -> str | None:
 
 def _misfit_values(state: dict, role: str) -> str | None:
     """What `_LAYOUT`'s types leave open that a resume needs: one parameter group (the
-    replica's flat vector, or a server's shard), torch's and the straggler draws' RNG states
-    of this torch and NumPy."""
+    replica's flat vector, or a server's shard), a worker's buffers (optional: older files
+    have none) as tensors by name, torch's and the straggler draws' RNG states of this torch
+    and NumPy."""
     optimizer = state["optimizer"] if role == "worker" else state["shard"]["optimizer"]
     groups = optimizer["optimizer"]["param_groups"]
     if len(groups) != 1:
         return f"its optimizer has {len(groups)} parameter groups, not 1"
     if role == "server":
         return None
+    buffers = state.get("buffers", {})
+    if not (isinstance(buffers, dict) and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in buffers.items())):
+        return "its buffers are not tensors by name"
     rng = state["worker"]["torch_rng"]
     if rng.dtype != torch.uint8 or rng.numel() != torch.get_rng_state().numel():
         return f"its worker.torch_rng is not a state of torch's generator ({rng.numel()} {rng.dtype} values)"
@@ -350,6 +356,7 @@ class Checkpoints:
                 "role": "worker",
                 "params": state.replica.params.detach().cpu().clone(),
                 "optimizer": state.replica.optimizer.state_dict(),
+                "buffers": state.replica.buffers(),
                 "worker": state.state_dict(),
             }
         else:

@@ -119,6 +119,8 @@ class DistributedRuntime:
             replica = self.state.replica
             replica.params.copy_(state["params"])
             replica.optimizer.load_state_dict(state["optimizer"])
+            if "buffers" in state:  # files written before 2026-12-03 have none
+                replica.load_buffers(state["buffers"])
             self.state.load_state_dict(state["worker"])
 
     def request_stop(self) -> None:
