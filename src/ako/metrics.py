@@ -116,7 +116,7 @@ def format_summary(s: dict) -> str:
         f"of training{paused}",
         *_metric_lines(s),
         *_replica_lines(s),
-        f"  throughput       {s['samples_per_second']:.0f} samples/s; samples per worker "
+        f"  throughput       {s['samples_per_second']:.0f} samples/s; samples per worker{f' (ranks {_ranks(s)})' if _ranks(s) else ''} "
         + " / ".join(str(w["samples"]) for w in s["per_worker"]),
         f"  sent per worker  {s['bytes_sent_per_worker_per_second'] / 1e6:.2f} MB/s "
         f"(received {s['bytes_received_per_worker_per_second'] / 1e6:.2f} MB/s)",
@@ -124,6 +124,12 @@ def format_summary(s: dict) -> str:
     if s.get("samples_left_out_per_epoch"):
         left, total = s["samples_left_out_per_epoch"], s["train_samples"]
         cut = "; fewer where steps were cut short (partial steps, below)" if s.get("partial_steps") else ""
+        dead = [loss["rank"] for loss in s.get("lost") or () if loss.get("role", "worker") == "worker"]
+        if dead:
+            shard = (total - left) // s["workers"]
+            whose = f"shard of lost worker rank {dead[0]} ({shard} samples)" if len(dead) == 1 else (
+                f"shards of lost worker ranks {', '.join(map(str, dead))} ({shard} samples each)")
+            cut += f"; the {whose} not trained from the loss on"
         lines.append(f"  data             {total - left} of {total} training samples an epoch: {left} ({left / total:.1%}) left out "
                      f"each epoch, other ones each time (whole steps of equal shards){cut}")  # fmt: skip
     for server in s.get("per_server", []):
@@ -153,7 +159,7 @@ def format_summary(s: dict) -> str:
         cut = " / ".join(str(w.get("partial_steps", 0)) for w in s["per_worker"])
         short = " / ".join(str(w.get("samples_short", 0)) for w in s["per_worker"])
         lines.append(f"  partial steps    {cut} steps cut short behind the peers, {short} samples fewer than whole steps "
-                     "(per worker; what a step left went first the next)")  # fmt: skip
+                     f"(per worker{f', ranks {_ranks(s)}' if _ranks(s) else ''}; what a step left went first the next)")  # fmt: skip
     if "tau_reason" in s:
         lines.append(f"  elastic rounds   every tau = {s['tau']} steps ({s['tau_reason']})")
     if s.get("final_model"):
@@ -200,6 +206,12 @@ _HOW = {
     "stopped": "was stopped (SIGSTOP or a debugger) and dropped",
     "silent": "fell silent (stopped, stuck or far too slow) and was dropped",
 }
+
+
+def _ranks(s: dict) -> str:
+    """The ranks of the per-worker figures, "0, 2, 3", where workers were lost (those are the
+    survivors'), else ""."""
+    return ", ".join(str(w["rank"]) for w in s["per_worker"]) if s.get("lost_ranks") else ""
 
 
 def _loss(loss: dict) -> str:
