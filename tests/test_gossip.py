@@ -243,7 +243,7 @@ BAD_GOSSIP_INPUT = [
     (["--strategy", "gossip", "--tau", "1.5"], "tau '1.5': must be an integer >= 1"),
     (["--strategy", "ako", "--gossip", "push-sum"], "gossip 'push-sum': strategy ako has no such option (it is for gossip)"),
     (["--strategy", "allreduce", "--peers", "rotating"], "peers 'rotating': strategy allreduce has no such option"),
-    (["--strategy", "ako", "--tau", "2"], "tau '2': strategy ako has no such option"),
+    (["--strategy", "ako", "--tau", "2"], "tau 2: strategy ako has no such option"),
 ]
 
 

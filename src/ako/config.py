@@ -284,9 +284,11 @@ def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
     for name, users in option_users().items():
         if name == "bandwidth" and simulated:
             continue  # the simulator's link rate, for every strategy
-        if c.strategy not in users and not _is_default(name, getattr(c, name), c):
+        value = getattr(c, name)
+        if c.strategy not in users and not _is_default(name, value, c):
+            typed = isinstance(value, str) and value.replace(".", "", 1).isdigit()  # a number as the CLI passes it
             raise ConfigError(
-                f"{name} {show(getattr(c, name))}: strategy {c.strategy} has no such option "
+                f"{name} {value if typed else show(value)}: strategy {c.strategy} has no such option "
                 f"(it is for {', '.join(users)})"
             )
     c.workers = integer("workers", c.workers, low=1, high=4096)
