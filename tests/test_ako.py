@@ -94,8 +94,8 @@ def _check_conservation(run, tmp_path, exchange, partitions, staleness, **costs)
     start = single_process_sgd(config, 0)
     result = run(config, strategy=RECORDED_AKO)
     total = sum(w.facts["grad_sum"] for w in result.workers)
-    # the ring's workers stop together, s steps after the first vote to stop is seen
-    assert total.abs().sum() > 0 and result.summary["iterations"] == 8 + (staleness if exchange == "ring" else 0)
+    # to the planned end, every exchange stops at the planned step (no vote to wait for)
+    assert total.abs().sum() > 0 and result.summary["iterations"] == 8
     for w in result.workers:
         applied = (start.double() - w.params.double()) * n / lr
         torch.testing.assert_close(applied, total, rtol=0, atol=2e-4)
@@ -298,6 +298,18 @@ def test_workers_that_stop_at_different_steps_finish(tmp_path, staleness):
     steps = [w["steps"] for w in summary["per_worker"]]
     assert summary["time_to_accuracy"]["0.5"] is not None and len(set(steps)) > 1
     assert summary["consensus_distance"] < 1e-6
+
+
+def test_the_ring_stops_together_on_the_target_and_at_the_planned_step(tmp_path):
+    """The ring's workers vote to stop early (the target) and all stop at one step, before the
+    plan's end; a run to its end stops at the planned step itself (no step past --epochs)."""
+    common = dict(strategy="ako", workers=4, exchange="ring", staleness=1, seconds_per_sample=1e-3, bandwidth="10MB")
+    early = ako.simulate(small_config(tmp_path, train_samples=None, epochs=20.0, eval_every=0.05, target_accuracy=0.5,
+                                      **common)).summary  # fmt: skip
+    steps = {w["steps"] for w in early["per_worker"]}
+    assert early["time_to_accuracy"]["0.5"] is not None and len(steps) == 1 and early["iterations"] < 20 * 22
+    whole = ako.simulate(small_config(tmp_path, epochs=1.0, **common)).summary  # 384 / 4 / 16 = 6 steps
+    assert {w["steps"] for w in whole["per_worker"]} == {6} and whole["iterations"] == 6
 
 
 @pytest.mark.parametrize("bandwidth,exchange,partitions", [("100MB", "all-to-all", 1), ("1MB", "ring", 8)])

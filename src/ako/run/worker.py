@@ -181,11 +181,11 @@ class WorkerState:
     def should_stop(self) -> bool:
         """Epochs done, time budget spent, or the target reached (here or on rank 0)."""
         limit = self.config.max_time
-        return (
-            self.stop_requested
-            or self.cursor.step >= self.planned_steps
-            or (limit is not None and self.clock.now() >= limit)
-        )
+        return self.stop_requested or self.plan_done() or (limit is not None and self.clock.now() >= limit)
+
+    def plan_done(self) -> bool:
+        """The planned steps (--epochs) are done: every worker gets there at the same step."""
+        return self.cursor.step >= self.planned_steps
 
     def _progress_record(self) -> dict:
         sent, received = self.traffic()

@@ -312,7 +312,8 @@ class Ledger:
 def _ring(ctx, parts, s):
     """The ring exchange: step t's windows summed by an all-reduce started at once and applied
     s steps later. The stop vote rides in the window's last element, so every worker sees
-    the same votes at the same step and all stop together, s steps after the first vote.
+    the same votes at the same step and all stop together, s steps after the first vote (at
+    the planned last step itself when the run goes to its end).
     With partial steps, each worker tells the previous rank (an empty message) when it has
     started a step's all-reduce: a collective does not say who the others wait for, and one
     neighbour ahead is enough for a straggler to know it is behind."""
@@ -321,7 +322,7 @@ def _ring(ctx, parts, s):
     inflight: deque = deque()  # (lo, hi, own window, handle), oldest first
     t, stop, heard = 0, False, -1
     pace = Pace(ctx, s)
-    while not stop:
+    while not (stop or ctx.plan_done()):  # a vote to stop early lands s steps later; the plan's end is known to all
         if pace.on:
             heard = max([heard] + [m.step for m in (yield Poll(AKO_PROGRESS))])
         own.step((yield from pace.gradient(t, heard, AKO_PROGRESS)))

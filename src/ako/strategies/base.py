@@ -25,7 +25,8 @@ class WorkerContext:
 
     `stopping` turns true when this worker should finish: its epochs are done, the time budget
     is spent, or the evaluator reached the target accuracy. A strategy decides how its workers
-    agree on the last step (synchronous ones vote in a collective).
+    agree on the last step (synchronous ones vote in a collective). `plan_done` is the first
+    reason alone, which every worker meets at the same step without a vote.
     """
 
     rank: int
@@ -35,6 +36,7 @@ class WorkerContext:
     should_stop: Callable[[], bool]
     servers: list[int] = field(default_factory=list)  # the parameter servers' ranks, if any
     resumed_step: int = 0  # the step a resumed run starts from (0: a fresh run)
+    plan_done: Callable[[], bool] = lambda: False
 
     @property
     def stopping(self) -> bool:

@@ -193,7 +193,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
             consensus=replicas, checkpointer=checkpoints, num_workers=config.num_workers,
         )  # fmt: skip
         program = strategy.worker
-        ctx = WorkerContext(rank, n, replica, config, state.should_stop, servers, point or 0)
+        ctx = WorkerContext(rank, n, replica, config, state.should_stop, servers, point or 0, state.plan_done)
     else:
         state, program = None, strategy.server
         restored = saved["shard"] if saved is not None else None

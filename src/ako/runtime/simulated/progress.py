@@ -31,8 +31,7 @@ class Progress:
         self.started = self.shown_at = time.perf_counter()
 
     def step(self) -> None:
-        """One worker finished one step. A strategy may run a few steps past the plan (Ako's
-        ring agrees on its last step s steps after the first vote): the total then grows."""
+        """One worker finished one step. Should a strategy run past the plan, the total grows."""
         if self.bar.n >= self.bar.total:
             self.bar.total = self.bar.n + 1
         self.bar.update()

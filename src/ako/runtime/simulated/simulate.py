@@ -57,7 +57,7 @@ def simulate_job(job: Job, costs: Costs, data: Data | None = None) -> tuple[dict
                 log=log, consensus=SharedReplicas(copies, rank, n) if strategy.replicas_differ else None,
                 progress_bar=False,
             )  # fmt: skip
-            runtime.start(rank, strategy.worker, WorkerContext(rank, n, replica, config, node.state.should_stop, servers))
+            runtime.start(rank, strategy.worker, WorkerContext(rank, n, replica, config, node.state.should_stop, servers, plan_done=node.state.plan_done))
         else:
             runtime.start(rank, strategy.server, ServerContext(rank, rank - n, servers, list(range(n)), replica, config))
     rank0 = runtime.nodes[0].state
