@@ -1,5 +1,6 @@
 """The point-to-point mailbox on real processes: sends to a live peer never count as stuck,
-however long the run, and the sends in flight stay few; a process's own stops are its own."""
+however long the run, and the sends in flight stay few; a process's own stops are its own;
+the consensus measurement's copies are held back while training."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from ako.runtime.distributed.process import join_process_group
 from ako.runtime.distributed.launcher import launch_function
 from ako.runtime.distributed.liveness import is_stopped
 from ako.runtime.distributed.mailbox import Mailbox
+from ako.runtime.distributed.replicas import MailboxReplicas
+from ako.run.evaluation import snapshots_kept
+from ako.strategies.tags import REPLICA
 
 
 def exchange_for(seconds: float, timeout: float) -> dict:
@@ -72,3 +76,35 @@ def test_the_stall_clock_counts_the_time_the_process_was_stopped():
     first, whole, later = map(float, proc.communicate(timeout=30)[0].split())
     assert 1.5 < first < 4.5 and 1.5 < whole < 4.5 and abs(first - whole) < 0.3, (first, whole)
     assert later == 0.0
+
+
+class _Outbox:
+    """A mailbox that records what is sent."""
+
+    lost: set = set()
+
+    def __init__(self):
+        self.sent: list[tuple[int, int, int, float]] = []
+
+    def send(self, tensor, dst, tag, step=0, aux=0, drop_lost=False):
+        self.sent.append((dst, tag, step, tensor[0].item()))
+
+
+def test_a_worker_holds_its_replica_copies_back_until_its_training_ends():
+    """Copies for the consensus measurement: with `hold` 2, the third point sends the oldest
+    and the rest go at the end, each a copy of the replica as it was at its point; with 0
+    (rank 0 evaluates during training), each goes at once."""
+    box, params = _Outbox(), torch.zeros(3)
+    held = MailboxReplicas(box, 4, hold=2)
+    for point in range(3):
+        params.fill_(point)
+        held.report_replica(point, params)
+    params.fill_(9.0)
+    assert box.sent == [(0, REPLICA, 0, 0.0)]
+    held.send_held()
+    assert box.sent == [(0, REPLICA, k, float(k)) for k in range(3)]
+    at_once = MailboxReplicas(box := _Outbox(), 4, hold=0)
+    at_once.report_replica(5, params)
+    assert box.sent == [(0, REPLICA, 5, 9.0)]
+    # what a run that evaluates after training holds: the points rank 0 keeps (256 MB with 4 cnn replicas each)
+    assert snapshots_kept(4, 827_688) == 81

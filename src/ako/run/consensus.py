@@ -4,10 +4,11 @@
 How it is measured over time (`ReplicaExchange`: over the mailbox on real processes,
 `runtime.distributed.replicas`; a shared table in the simulator). Evaluation point k is every worker's step
 k x E (E = `eval_every` epochs in steps, the same on every worker: shards are equal), the
-step at which rank 0 takes its evaluation snapshot. At that point every other worker sends a
-copy of its replica to rank 0 through the mailbox, on a runtime tag that does not count as
+step at which rank 0 takes its evaluation snapshot. At that point every other worker hands
+rank 0 a copy of its replica through the mailbox, on a runtime tag that does not count as
 training traffic, with its clock paused for the copy (about a millisecond); it never waits for
-anything. Rank 0 files the copies. When it evaluates its snapshot of point k (after training,
+anything. Where rank 0 evaluates only after training, the copies are held back until the
+worker's training ends (`MailboxReplicas`), so that they do not share the links with training. Rank 0 files the copies. When it evaluates its snapshot of point k (after training,
 or at once with a target accuracy), it also computes the consensus distance of the replicas
 at point k and the test accuracy of their average, as soon as every live worker's copy of
 point k is in: after training they all are; during training the record waits in line (clock

@@ -15,6 +15,13 @@ from ako.run.consensus import ReplicaExchange, consensus_distance
 _SNAPSHOT_BYTES = 256 << 20  # snapshots (and the peers' copies for them) kept before evaluating
 
 
+def snapshots_kept(copies: int, replica_bytes: int) -> int:
+    """How many evaluation points rank 0 keeps before it evaluates during training: as many as
+    fit 256 MB with `copies` replicas of `replica_bytes` each a point (its own and the other
+    workers' copies). The other workers hold back as many of their copies (`MailboxReplicas`)."""
+    return _SNAPSHOT_BYTES // (copies * replica_bytes)
+
+
 @dataclass
 class _Snapshot:
     """Rank 0's replica (numel,) at evaluation point `point` (None: the end of training) and
@@ -46,7 +53,7 @@ class Evaluator:
         the peers' copies for it) would pass 256 MB."""
         self.snapshots.append(_Snapshot(record, self.replica.params.clone(), point, extra=extra or {}))
         copies = self.world_size if self.consensus is not None else 1
-        return self.eager or len(self.snapshots) * copies * self.replica.grad_bytes > _SNAPSHOT_BYTES
+        return self.eager or len(self.snapshots) > snapshots_kept(copies, self.replica.grad_bytes)
 
     @property
     def evaluated_first(self) -> bool:

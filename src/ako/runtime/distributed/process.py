@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ako.config import ConfigError, to_toml
 from ako.metrics import write_atomic
 from ako.run.job import Job
+from ako.run.evaluation import snapshots_kept
 from ako.run.outcome import WorkerResult, final_summary, open_log, open_run_dir, publish
 from ako.run.worker import WorkerState
 from ako.runtime.distributed import checkpoint, liveness, quiet
@@ -186,7 +187,10 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         runtime.checkpoints = checkpoints
     servers = list(range(n, world))
     if rank < n:
-        replicas = MailboxReplicas(runtime.mailbox, n) if strategy.replicas_differ else None
+        replicas = None
+        if strategy.replicas_differ:
+            after_training = config.goal is None and checkpoints is None  # rank 0 evaluates then
+            replicas = MailboxReplicas(runtime.mailbox, n, snapshots_kept(n, replica.grad_bytes) if after_training else 0)
         state = WorkerState(
             config=config, rank=rank, world_size=n, replica=replica, train_set=data.train, test_set=data.test,
             clock=runtime.clock, traffic=runtime.bytes_moved, on_target=runtime.request_stop, log=log,
@@ -195,7 +199,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         program = strategy.worker
         ctx = WorkerContext(rank, n, replica, config, state.should_stop, servers, point or 0, state.plan_done)
     else:
-        state, program = None, strategy.server
+        state, program, replicas = None, strategy.server, None
         restored = saved["shard"] if saved is not None else None
         on_update = checkpoints.on_update if checkpoints is not None else (lambda shard: None)
         ctx = ServerContext(rank, rank - n, servers, list(range(n)), replica, config, restored, on_update)
@@ -220,6 +224,8 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
             state.keep_metrics()  # a failed run keeps the metrics up to its failure
         raise
     runtime.clock.stop()
+    if replicas is not None:
+        replicas.send_held()
     final = replica.params if strategy.replicas_differ and state is not None else None
     reports, finals = runtime.gather_reports(facts, final)
     runtime.close()
