@@ -269,7 +269,9 @@ def test_a_replica_s_buffers_go_into_another_and_misfits_are_one_line(tmp_path):
     assert saved.keys() == {"1.running_mean", "1.running_var", "1.num_batches_tracked"} and saved["1.num_batches_tracked"] == 1
     fresh.load_buffers(saved)
     assert all(torch.equal(fresh.buffers()[name], saved[name]) for name in saved)
-    for broken, error in (({**saved, "1.running_mean": torch.zeros(3)}, "RuntimeError"),
+    for broken, error in (({**saved, "1.running_mean": torch.zeros(3)}, "ValueError"),
+                          ({**saved, "1.running_mean": torch.zeros(1)}, "ValueError"),  # copy_ would broadcast it
+                          ({**saved, "1.num_batches_tracked": torch.tensor(2.7)}, "ValueError"),  # or convert it
                           ({k: v for k, v in saved.items() if k != "1.running_var"}, "KeyError")):  # fmt: skip
         with pytest.raises(checkpoint.CheckpointError, match=rf"^checkpoint 'f.pt': damaged, it does not fit this run \({error}: "):
             with checkpoint.restoring("f.pt"):

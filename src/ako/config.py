@@ -286,7 +286,7 @@ def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
             continue  # the simulator's link rate, for every strategy
         value = getattr(c, name)
         if c.strategy not in users and not _is_default(name, value, c):
-            typed = isinstance(value, str) and value.replace(".", "", 1).isdigit()  # a number as the CLI passes it
+            typed = isinstance(value, str) and re.fullmatch(r"-?\d+(\.\d+)?", value) is not None  # a number as the CLI passes it
             raise ConfigError(
                 f"{name} {value if typed else show(value)}: strategy {c.strategy} has no such option "
                 f"(it is for {', '.join(users)})"

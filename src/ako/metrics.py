@@ -121,10 +121,10 @@ def format_summary(s: dict) -> str:
         f"  sent per worker  {s['bytes_sent_per_worker_per_second'] / 1e6:.2f} MB/s "
         f"(received {s['bytes_received_per_worker_per_second'] / 1e6:.2f} MB/s)",
     ]
-    if s.get("samples_left_out_per_epoch"):
-        left, total = s["samples_left_out_per_epoch"], s["train_samples"]
+    dead = [loss["rank"] for loss in s.get("lost") or () if loss.get("role", "worker") == "worker"]
+    if s.get("samples_left_out_per_epoch") or (dead and s.get("train_samples")):
+        left, total = s.get("samples_left_out_per_epoch") or 0, s["train_samples"]
         cut = "; fewer where steps were cut short (partial steps, below)" if s.get("partial_steps") else ""
-        dead = [loss["rank"] for loss in s.get("lost") or () if loss.get("role", "worker") == "worker"]
         if dead:
             shard = (total - left) // s["workers"]
             whose = f"shard of lost worker rank {dead[0]} ({shard} samples)" if len(dead) == 1 else (

@@ -164,9 +164,13 @@ class Replica:
 
     def load_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
         """Set the module's buffers to `buffers` (what `buffers` gave). Raises KeyError for
-        a buffer `buffers` lacks and RuntimeError for one of another shape."""
+        a buffer `buffers` lacks and ValueError for one of another shape or dtype (copy_
+        would broadcast or convert it without a word)."""
         for name, live in self._buffer_state().items():  # state_dict's tensors share the buffers' storage
-            live.copy_(buffers[name])
+            saved = buffers[name]
+            if saved.shape != live.shape or saved.dtype != live.dtype:
+                raise ValueError(f"buffer {name} is {saved.dtype} {tuple(saved.shape)}, the model's {live.dtype} {tuple(live.shape)}")
+            live.copy_(saved)
 
     def step(self, grad: torch.Tensor) -> None:
         """One optimizer step (and schedule step) with `grad`, shape (numel,), as gradient."""
