@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import warnings
 
 import numpy as np
@@ -272,7 +273,31 @@ def test_a_replica_s_buffers_go_into_another_and_misfits_are_one_line(tmp_path):
     for broken, error in (({**saved, "1.running_mean": torch.zeros(3)}, "ValueError"),
                           ({**saved, "1.running_mean": torch.zeros(1)}, "ValueError"),  # copy_ would broadcast it
                           ({**saved, "1.num_batches_tracked": torch.tensor(2.7)}, "ValueError"),  # or convert it
-                          ({k: v for k, v in saved.items() if k != "1.running_var"}, "KeyError")):  # fmt: skip
+                          ({k: v for k, v in saved.items() if k != "1.running_var"}, "ValueError")):  # fmt: skip
         with pytest.raises(checkpoint.CheckpointError, match=rf"^checkpoint 'f.pt': damaged, it does not fit this run \({error}: "):
             with checkpoint.restoring("f.pt"):
                 fresh.load_buffers(broken)
+
+
+def test_saved_buffers_that_do_not_fit_the_model_are_found_before_the_resume(tmp_path):
+    """`find` with the model's buffer layout refuses a checkpoint whose buffers another model
+    wrote, in one line; a file without buffers (of an older ako) fits."""
+    run_dir = checkpointed_run(tmp_path, strategy="allreduce")
+    state = torch.load(checkpoint.path(run_dir, 7, 1), weights_only=True)
+    identity = {k: state[k] for k in ("strategy", "model", "optimizer_name", "numel", "world")}
+    layout = {"bn.running_mean": (torch.float32, (16,)), "bn.num_batches_tracked": (torch.int64, ())}
+    for saved in ({"bn.running_mean": torch.zeros(16), "bn.num_batches_tracked": torch.tensor(3)}, None):
+        if saved is None:
+            state.pop("buffers")
+        else:
+            state["buffers"] = saved
+        for rank in range(2):
+            torch.save({**state, "rank": rank}, checkpoint.path(run_dir, 7, rank))
+        assert checkpoint.find(run_dir, identity, 2, buffers=layout) == 7
+    for saved, why in (({"bn.running_mean": torch.zeros(8), "bn.num_batches_tracked": torch.tensor(3)},
+                        "buffer bn.running_mean is torch.float32 (8,), the model's torch.float32 (16,)"),
+                       ({"bn.running_mean": torch.zeros(16)}, "it has no buffer bn.num_batches_tracked")):  # fmt: skip
+        state["buffers"] = saved
+        torch.save(state, checkpoint.path(run_dir, 7, 1))
+        with pytest.raises(checkpoint.CheckpointError, match=rf"^checkpoint '.*rank1.pt': written by another model \({re.escape(why)}\); resume with the model it was written with$"):
+            checkpoint.find(run_dir, identity, 2, buffers=layout)

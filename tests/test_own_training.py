@@ -249,6 +249,15 @@ def test_own_model_and_dataset_by_name_from_the_cli_and_on_resume(tmp_path):
     finished = _ako("train", "--resume", str(run_dir))
     assert finished.returncode == 2 and "that run finished" in finished.stderr, finished.stderr
     (run_dir / "summary.json").unlink()  # as if the run had been killed after that checkpoint
+    file = checkpoint.path(run_dir, point, 1)
+    kept = file.read_bytes()
+    state = torch.load(file, weights_only=True)
+    state["buffers"]["1.running_mean"] = state["buffers"]["1.running_mean"][:3]
+    torch.save(state, file)  # as another model with the same parameters (say, GroupNorm) would have saved it
+    misfit = _ako("train", "--resume", str(run_dir))
+    assert misfit.returncode == 2 and misfit.stderr.count("\n") == 1, misfit.stderr  # before any worker starts
+    assert "rank1.pt': written by another model (buffer 1.running_mean is torch.float32 (3,), the model's torch.float32 (" in misfit.stderr
+    file.write_bytes(kept)
     whole = torch.load(run_dir / "model.pt")
     resumed = _ako("train", "--resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr

@@ -56,6 +56,20 @@ class LossScale:
         self.scale, self.good, self.skipped = self.scale / 2.0, 0, self.skipped + 1
 
 
+def buffers_misfit(buffers: dict[str, torch.Tensor], layout: dict) -> str | None:
+    """Why saved `buffers` (tensors by name) cannot be a module's whose `Replica.buffer_layout`
+    is `layout`, in words ("buffer bn.running_mean is torch.float32 (8,), the model's
+    torch.float32 (16,)"), or None when they fit (copy_ would broadcast a single value or
+    convert a dtype without a word). Saved buffers the module lacks are ignored."""
+    for name, (dtype, shape) in layout.items():
+        saved = buffers.get(name)
+        if saved is None:
+            return f"it has no buffer {name}"
+        if saved.dtype != dtype or tuple(saved.shape) != shape:
+            return f"buffer {name} is {saved.dtype} {tuple(saved.shape)}, the model's {dtype} {shape}"
+    return None
+
+
 class Replica:
     """A model replica with flat parameter and gradient buffers, the run's optimizer and the
     user's training step (`loss_fn`, `eval_fn`, `collate_fn`; defaults: classification).
@@ -162,15 +176,17 @@ class Replica:
         persistent buffers (BatchNorm's running statistics and count), on the CPU."""
         return {name: t.detach().cpu().clone() for name, t in self._buffer_state().items()}
 
+    def buffer_layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """The dtype and shape of each of the module's buffers (`buffers`), by name."""
+        return {name: (t.dtype, tuple(t.shape)) for name, t in self._buffer_state().items()}
+
     def load_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
-        """Set the module's buffers to `buffers` (what `buffers` gave). Raises KeyError for
-        a buffer `buffers` lacks and ValueError for one of another shape or dtype (copy_
-        would broadcast or convert it without a word)."""
+        """Set the module's buffers to `buffers` (what `buffers` gave). Raises ValueError for
+        a buffer `buffers` lacks or holds with another shape or dtype (`buffers_misfit`)."""
+        if (why := buffers_misfit(buffers, self.buffer_layout())) is not None:
+            raise ValueError(why)
         for name, live in self._buffer_state().items():  # state_dict's tensors share the buffers' storage
-            saved = buffers[name]
-            if saved.shape != live.shape or saved.dtype != live.dtype:
-                raise ValueError(f"buffer {name} is {saved.dtype} {tuple(saved.shape)}, the model's {live.dtype} {tuple(live.shape)}")
-            live.copy_(saved)
+            live.copy_(buffers[name])
 
     def step(self, grad: torch.Tensor) -> None:
         """One optimizer step (and schedule step) with `grad`, shape (numel,), as gradient."""

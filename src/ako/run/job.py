@@ -176,9 +176,9 @@ class Job:
         c = self.config
         return Replica(model, self.optimization(data), self.loss_fn, self.eval_fn, data.collate_fn, c.precision)
 
-    def check(self) -> tuple[Data, int]:
+    def check(self) -> tuple[Data, Replica]:
         """Everything about the job itself that can fail before processes start
-        (`ako.run.preflight`); returns the loaded data and the model's parameter count.
+        (`ako.run.preflight`); returns the loaded data and a replica of the model.
         Raises ConfigError or DataError with a one-line message."""
         return preflight.check(self)
 

@@ -19,7 +19,7 @@ from ako.run.imports import first_line
 
 def check(job) -> tuple:
     """Load `job`'s data, build its model and replica, and try them (`Job.check`): returns
-    (data, the model's parameter count)."""
+    (data, the replica tried: its `numel` and `buffer_layout` are the model's)."""
     data = job.load_data()
     model = job.build_model(data)
     try:
@@ -34,7 +34,7 @@ def check(job) -> tuple:
     if job.config.tensorboard:
         _check_tensorboard()
     check_out_dir(job.config.out_dir)
-    return data, replica.numel
+    return data, replica
 
 
 def _optimizer_what(job) -> str:

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from ako.checks import misfit
+from ako.replica import buffers_misfit
 from ako.config import ConfigError
 from ako.strategies.tags import CHECKPOINT
 
@@ -224,11 +225,13 @@ def _misfit_values(state: dict, role: str) -> str | None:
     return None
 
 
-def check(state: dict, expected: dict, file: str, contents: bool = False) -> None:
+def check(state: dict, expected: dict, file: str, contents: bool = False, buffers: dict | None = None) -> None:
     """Raise CheckpointError naming the first field of `expected` that `state` differs in;
     with `contents`, DamagedCheckpoint naming the first part of a worker's or server's state
     that is missing or of the wrong type (`_LAYOUT`), or a worker's parameters that are not
-    `expected["numel"]` numbers."""
+    `expected["numel"]` numbers, then CheckpointError for a worker's saved buffers that do not
+    fit the model's `buffers` layout (`Replica.buffer_layout`; the files of older ako, without
+    buffers, fit)."""
     role = state.get("role")
     if contents and role not in _LAYOUT:
         raise DamagedCheckpoint(f"checkpoint {file!r}: damaged, its role is {role!r:.40}, not 'worker' or 'server'")
@@ -244,6 +247,9 @@ def check(state: dict, expected: dict, file: str, contents: bool = False) -> Non
             why = f"its params are {state['params'].numel()} numbers, not {expected['numel']}"
         if why is not None:
             raise DamagedCheckpoint(f"checkpoint {file!r}: damaged, {why}")
+        if role == "worker" and buffers is not None and "buffers" in state and (why := buffers_misfit(state["buffers"], buffers)):
+            raise CheckpointError(f"checkpoint {file!r}: written by another model ({why}); "
+                                  "resume with the model it was written with")  # fmt: skip
 
 
 @contextmanager
@@ -277,10 +283,11 @@ def check_unfinished(config) -> None:
                               "give a larger --epochs (or --max-time) to train it further")  # fmt: skip
 
 
-def find(run_dir: str | os.PathLike, expected: dict, workers: int, say: bool = False) -> int:
+def find(run_dir: str | os.PathLike, expected: dict, workers: int, say: bool = False, buffers: dict | None = None) -> int:
     """The step of `run_dir`'s latest complete, intact checkpoint (complete for the world size
     it was written by), after checking that every rank's file reads, is whole and fits
-    `expected` and this job's split into `workers` workers and the servers after them. A
+    `expected`, the model's `buffers` (`check`) and this job's split into `workers` workers and
+    the servers after them. A
     damaged newer checkpoint is passed over for an older intact one (with `say`, a line on
     stderr says so). Raises CheckpointError: no intact complete checkpoint (the newest
     damage is named), or one written by another run."""
@@ -294,7 +301,7 @@ def find(run_dir: str | os.PathLike, expected: dict, workers: int, say: bool = F
                 continue
             for rank in range(world):
                 role = "worker" if rank < workers else "server"
-                check(load(run_dir, point, rank), {**expected, "role": role}, str(path(run_dir, point, rank)), contents=True)
+                check(load(run_dir, point, rank), {**expected, "role": role}, str(path(run_dir, point, rank)), True, buffers)
         except DamagedCheckpoint as e:
             damaged.append((point, str(e)))
             continue

@@ -176,7 +176,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         raise StartupFailed(f"the workers did not all get ready within {startup_timeout(config.timeout):g} s: {comm_error(e)}") from None
     identity = job.identity(replica.numel)  # what checkpoints of this run must agree with
     with _starting(runtime.limit):
-        run_dir, point = _run_dir(job, data, rank, store, runtime, identity)
+        run_dir, point = _run_dir(job, data, rank, store, runtime, identity, replica.buffer_layout())
     log = open_log(run_dir, config) if rank == 0 else None
     saved = checkpoint.load(run_dir, point, rank) if point is not None else None
     if saved is not None:
@@ -291,10 +291,11 @@ def keep_earlier_config(run_dir: Path, text: str, point: int) -> None:
     write_atomic(path, text)
 
 
-def _run_dir(job: Job, data, rank: int, store: dist.Store, runtime: DistributedRuntime, identity: dict):
+def _run_dir(job: Job, data, rank: int, store: dist.Store, runtime: DistributedRuntime, identity: dict, buffers: dict):
     """(run directory, step of the checkpoint to resume from or None), the same on every rank.
 
-    Rank 0 decides: `config.resume`'s latest complete checkpoint; under a `torchrun` restart,
+    Rank 0 decides: `config.resume`'s latest complete checkpoint (fitting `identity` and the
+    model's `buffers` layout: `checkpoint.find`); under a `torchrun` restart,
     the first attempt's run directory (found in the agent's store) and its latest complete
     checkpoint, if any; else a new run directory. The others learn the directory from the
     store (when they need it: checkpoints or a resume) and the step by broadcast."""
@@ -304,11 +305,11 @@ def _run_dir(job: Job, data, rank: int, store: dist.Store, runtime: DistributedR
     if rank == 0:
         if config.resume is not None:
             checkpoint.check_unfinished(config)
-            run_dir, point = Path(config.resume), checkpoint.find(config.resume, identity, config.workers, say=True)
+            run_dir, point = Path(config.resume), checkpoint.find(config.resume, identity, config.workers, True, buffers)
         elif attempt > 0 and store.check([key]):
             run_dir = Path(store.get(key).decode())
             found = checkpoint.latest(run_dir, identity["world"]) is not None
-            point = checkpoint.find(run_dir, identity, config.workers, say=True) if found else None
+            point = checkpoint.find(run_dir, identity, config.workers, True, buffers) if found else None
         else:
             run_dir, point = open_run_dir(config, job.strategy.name, data), None
         if point is not None:  # checkpoints after `point` belong to the abandoned run: drop them
