@@ -243,6 +243,28 @@ def test_a_diverged_average_still_gives_a_summary():
     json.dumps(finite(summary), allow_nan=False)  # as write_summary writes it
 
 
+
+def test_the_summary_gives_the_spread_of_per_worker_figures_at_many_workers():
+    """Up to 8 workers the summary lists each one's figures; beyond, their spread (a
+    64-worker run printed 64 numbers a line); equal figures read "N each"."""
+    from ako.metrics import build_summary, format_summary
+
+    def summary(workers: int, short: list[int]) -> str:
+        reports = [{"rank": r, "role": "worker", "steps": 3, "samples": 30 - short[r], "bytes_sent": 0, "bytes_received": 0,
+                    "partial_steps": int(short[r] > 0), "samples_short": short[r]} for r in range(workers)]  # fmt: skip
+        final = {"epoch": 1.0, "test_accuracy": 0.5, "test_loss": 1.0}
+        config = ako.TrainConfig(workers=workers, epochs=1)
+        s = build_summary("ako", config, "digits", reports, [], final, True, 1.0, 1.0)
+        return format_summary({**s, "partial_steps": sum(r["partial_steps"] for r in reports)})  # as Ako's facts add it
+
+    listed = summary(4, [0, 6, 0, 2])
+    assert "samples trained per worker 30 / 24 / 30 / 28\n" in listed
+    assert "steps cut short behind the peers 0 / 1 / 0 / 1, samples fewer than whole steps 0 / 6 / 0 / 2 (" in listed
+    spread = summary(64, [0] * 60 + [1, 2, 3, 4])
+    assert "samples trained per worker 26 to 30 (median 30)\n" in spread
+    assert "samples fewer than whole steps 0 to 4 (median 0) (" in spread
+    assert "samples trained per worker 30 each\n" in summary(64, [0] * 64)
+
 def test_calibrate_makes_the_profile_s_directory_or_says_why_not(tmp_path, capsys):
     out = tmp_path / "new" / "dir" / "profile.toml"
     assert main(["calibrate", "--model", "cnn", "--dataset", "digits", "--out", str(out)]) == 0

@@ -110,28 +110,20 @@ def format_summary(s: dict) -> str:
     """The summary as the lines printed at the end of a run."""
     evaluating = s["wall_seconds"] - s["train_seconds"]
     paused = f" (+ {evaluating:.1f} s evaluating)" if evaluating >= 0.05 else ""
+    virtual = "virtual " if "simulation" in s else ""  # the simulator's seconds and rates are of its clock
     lines = [
         f"ako {s['strategy']}: {s['workers']} worker{'s' if s['workers'] > 1 else ''}, {s['model']} on "
-        f"{s['dataset']}, {s['epochs']:.2f} epochs ({s['iterations']} iterations) in {s['train_seconds']:.1f} s "
+        f"{s['dataset']}, {s['epochs']:.2f} epochs ({s['iterations']} iterations) in {s['train_seconds']:.1f} {virtual}s "
         f"of training{paused}",
         *_metric_lines(s),
         *_replica_lines(s),
-        f"  throughput       {s['samples_per_second']:.0f} samples/s; samples per worker{f' (ranks {_ranks(s)})' if _ranks(s) else ''} "
-        + " / ".join(str(w["samples"]) for w in s["per_worker"]),
+        f"  throughput       {s['samples_per_second']:.0f} samples/{virtual}s; samples trained per worker{f' (ranks {_ranks(s)})' if _ranks(s) else ''} "
+        + _per_worker([w["samples"] for w in s["per_worker"]]),
         f"  sent per worker  {s['bytes_sent_per_worker_per_second'] / 1e6:.2f} MB/s "
         f"(received {s['bytes_received_per_worker_per_second'] / 1e6:.2f} MB/s)",
     ]
-    dead = [loss["rank"] for loss in s.get("lost") or () if loss.get("role", "worker") == "worker"]
-    if s.get("samples_left_out_per_epoch") or (dead and s.get("train_samples")):
-        left, total = s.get("samples_left_out_per_epoch") or 0, s["train_samples"]
-        cut = "; fewer where steps were cut short (partial steps, below)" if s.get("partial_steps") else ""
-        if dead:
-            shard = (total - left) // s["workers"]
-            whose = f"shard of lost worker rank {dead[0]} ({shard} samples)" if len(dead) == 1 else (
-                f"shards of lost worker ranks {', '.join(map(str, dead))} ({shard} samples each)")
-            cut += f"; the {whose} not trained from the loss on"
-        lines.append(f"  data             {total - left} of {total} training samples an epoch: {left} ({left / total:.1%}) left out "
-                     f"each epoch, other ones each time (whole steps of equal shards){cut}")  # fmt: skip
+    if data := _data_line(s):
+        lines.append(data)
     for server in s.get("per_server", []):
         lines.append(
             f"  server rank {server['rank']:<4} in {server['bytes_in_per_second'] / 1e6:.2f} MB/s, "
@@ -140,9 +132,9 @@ def format_summary(s: dict) -> str:
     if s.get("staleness_mean") is not None:
         lines.append(f"  staleness        mean {s['staleness_mean']:.2f}, max {s['staleness_max']} (server updates)")
     if s.get("handed_in") is not None:
-        each = " / ".join(f"{w['handed_in']:.0%}" for w in s["per_worker"])
+        each = _per_worker([w["handed_in"] for w in s["per_worker"]], "{:.0%}")
         lines.append(
-            f"  absp             handed in per iteration {each} of the assignment (mean {s['handed_in']:.0%}); "
+            f"  absp             share of its assignment handed in per iteration {each} (mean {s['handed_in']:.0%}); "
             f"oldest waiting sample {s['oldest_waiting']} iterations old"
         )
     if s.get("resumed_from_step") is not None:
@@ -156,9 +148,9 @@ def format_summary(s: dict) -> str:
             f"({s['partitions_reason']})"
         )
     if s.get("partial_steps"):
-        cut = " / ".join(str(w.get("partial_steps", 0)) for w in s["per_worker"])
-        short = " / ".join(str(w.get("samples_short", 0)) for w in s["per_worker"])
-        lines.append(f"  partial steps    {cut} steps cut short behind the peers, {short} samples fewer than whole steps "
+        cut = _per_worker([w.get("partial_steps", 0) for w in s["per_worker"]])
+        short = _per_worker([w.get("samples_short", 0) for w in s["per_worker"]])
+        lines.append(f"  partial steps    steps cut short behind the peers {cut}, samples fewer than whole steps {short} "
                      f"(per worker{f', ranks {_ranks(s)}' if _ranks(s) else ''}; what a step left went first the next)")  # fmt: skip
     if "tau_reason" in s:
         lines.append(f"  elastic rounds   every tau = {s['tau']} steps ({s['tau_reason']})")
@@ -199,6 +191,39 @@ def _metric_lines(s: dict) -> list[str]:
         reached = s["time_to_target"]
         lines.append(f"  time to target   {s['target']}: {'not reached' if reached is None else f'{reached:.1f} s'}")
     return lines
+
+
+def _data_line(s: dict) -> str | None:
+    """The training samples an epoch leaves out (whole steps of equal shards), and the shards
+    of lost workers; None when every sample is trained every epoch."""
+    dead = [loss["rank"] for loss in s.get("lost") or () if loss.get("role", "worker") == "worker"]
+    if not (s.get("samples_left_out_per_epoch") or (dead and s.get("train_samples"))):
+        return None
+    left, total = s.get("samples_left_out_per_epoch") or 0, s["train_samples"]
+    cut = "; fewer where steps were cut short (partial steps, below)" if s.get("partial_steps") else ""
+    if dead:
+        shard = (total - left) // s["workers"]
+        whose = f"shard of lost worker rank {dead[0]} ({shard} samples)" if len(dead) == 1 else (
+            f"shards of lost worker ranks {', '.join(map(str, dead))} ({shard} samples each)")
+        cut += f"; the {whose} not trained from the loss on"
+    return (f"  data             {total - left} of {total} training samples an epoch: {left} ({left / total:.1%}) left out "
+            f"each epoch, other ones each time (whole steps of equal shards){cut}")  # fmt: skip
+
+
+PER_WORKER_LISTED = 8  # up to this many workers, the summary lists each one's figure
+
+
+def _per_worker(values: list, form: str = "{}") -> str:
+    """Per-worker figures, each formatted with `form`: "464 each" when they are all equal,
+    "464 / 470 / 12" for up to PER_WORKER_LISTED workers, else their spread,
+    "12 to 470 (median 464)"."""
+    shown = [form.format(v) for v in values]
+    if len(set(shown)) == 1:
+        return f"{shown[0]} each"
+    if len(values) <= PER_WORKER_LISTED:
+        return " / ".join(shown)
+    ordered = sorted(values)
+    return f"{form.format(ordered[0])} to {form.format(ordered[-1])} (median {form.format(ordered[len(ordered) // 2])})"
 
 
 _HOW = {
