@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -219,11 +220,11 @@ def _per_worker(values: list, form: str = "{}") -> str:
     "12 to 470 (median 464)"."""
     shown = [form.format(v) for v in values]
     if len(set(shown)) == 1:
-        return f"{shown[0]} each"
+        return shown[0] if len(shown) == 1 else f"{shown[0]} each"
     if len(values) <= PER_WORKER_LISTED:
         return " / ".join(shown)
-    ordered = sorted(values)
-    return f"{form.format(ordered[0])} to {form.format(ordered[-1])} (median {form.format(ordered[len(ordered) // 2])})"
+    middle = statistics.median_low(values)  # a worker's own figure, not a mean of two
+    return f"{form.format(min(values))} to {form.format(max(values))} (median {form.format(middle)})"
 
 
 _HOW = {
