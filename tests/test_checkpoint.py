@@ -296,8 +296,13 @@ def test_saved_buffers_that_do_not_fit_the_model_are_found_before_the_resume(tmp
         assert checkpoint.find(run_dir, identity, 2, buffers=layout) == 7
     for saved, why in (({"bn.running_mean": torch.zeros(8), "bn.num_batches_tracked": torch.tensor(3)},
                         "buffer bn.running_mean is torch.float32 (8,), the model's torch.float32 (16,)"),
-                       ({"bn.running_mean": torch.zeros(16)}, "it has no buffer bn.num_batches_tracked")):  # fmt: skip
+                       ({"bn.running_mean": torch.zeros(16)}, "it has no buffer bn.num_batches_tracked"),
+                       ({"bn.running_mean": torch.zeros(16).to_sparse(), "bn.num_batches_tracked": torch.tensor(3)},
+                        "buffer bn.running_mean is not a dense tensor with values (torch.sparse_coo)")):  # fmt: skip
         state["buffers"] = saved
         torch.save(state, checkpoint.path(run_dir, 7, 1))
         with pytest.raises(checkpoint.CheckpointError, match=rf"^checkpoint '.*rank1.pt': written by another model \({re.escape(why)}\); resume with the model it was written with$"):
             checkpoint.find(run_dir, identity, 2, buffers=layout)
+    # BatchNorm's statistics, resumed with a module without buffers (GroupNorm, as many parameters)
+    with pytest.raises(checkpoint.CheckpointError, match=r"rank1.pt': written by another model \(buffer bn.num_batches_tracked is not the model's \(it has none\)\)"):
+        checkpoint.find(run_dir, identity, 2, buffers={})

@@ -59,14 +59,20 @@ class LossScale:
 def buffers_misfit(buffers: dict[str, torch.Tensor], layout: dict) -> str | None:
     """Why saved `buffers` (tensors by name) cannot be a module's whose `Replica.buffer_layout`
     is `layout`, in words ("buffer bn.running_mean is torch.float32 (8,), the model's
-    torch.float32 (16,)"), or None when they fit (copy_ would broadcast a single value or
-    convert a dtype without a word). Saved buffers the module lacks are ignored."""
+    torch.float32 (16,)"), or None when they fit: the same names, each a dense tensor of the
+    same dtype and shape (copy_ would broadcast a single value or convert a dtype without a
+    word; a saved buffer the module lacks means another module, say GroupNorm for BatchNorm)."""
+    if extra := sorted(buffers.keys() - layout.keys()):
+        its = f"its are {', '.join(layout)}" if layout else "it has none"
+        return f"buffer {extra[0]} is not the model's ({its})"
     for name, (dtype, shape) in layout.items():
         saved = buffers.get(name)
         if saved is None:
             return f"it has no buffer {name}"
         if saved.dtype != dtype or tuple(saved.shape) != shape:
             return f"buffer {name} is {saved.dtype} {tuple(saved.shape)}, the model's {dtype} {shape}"
+        if saved.layout != torch.strided or saved.is_meta:
+            return f"buffer {name} is not a dense tensor with values ({saved.layout}{', meta' if saved.is_meta else ''})"
     return None
 
 
