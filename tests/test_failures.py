@@ -49,7 +49,7 @@ def test_killed_worker_then_resume(tmp_path, strategy):
     if strategy in SURVIVES:
         assert code == 0, err
         assert "worker rank 1 died (" in out and "the others carried on" in out, out
-        assert "samples trained per worker (ranks 0) " in out, out  # the figures are the survivors'
+        assert "samples trained per worker (rank 0) " in out, out  # the figures are the survivors'
         assert "the shard of lost worker rank 1 (" in out and "samples) not trained from the loss on" in out, out
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["lost_ranks"] == [1]

@@ -261,9 +261,14 @@ def test_the_summary_gives_the_spread_of_per_worker_figures_at_many_workers():
     assert "samples trained per worker 30 / 24 / 30 / 28\n" in listed
     assert "steps cut short behind the peers 0 / 1 / 0 / 1, samples fewer than whole steps 0 / 6 / 0 / 2 (" in listed
     spread = summary(64, [0] * 60 + [1, 2, 3, 4])
-    assert "samples trained per worker 26 to 30 (median 30)\n" in spread
-    assert "samples fewer than whole steps 0 to 4 (median 0) (" in spread
+    assert "samples trained per worker 26 (rank 63) to 30, median 30\n" in spread
+    assert "steps cut short behind the peers 0 to 1, median 0, samples fewer than whole steps 0 to 4 (rank 63), median 0 (" in spread
     assert "samples trained per worker 30 each\n" in summary(64, [0] * 64)
+    s = build_summary("ako", ako.TrainConfig(workers=64), "digits", [
+        {"rank": r, "role": "worker", "steps": 3, "samples": 30, "bytes_sent": 0, "bytes_received": 0} for r in range(64) if r != 5
+    ], [], {"epoch": 1.0, "test_accuracy": 0.5, "test_loss": 1.0}, True, 1.0, 1.0)  # fmt: skip
+    lost = format_summary({**s, "lost_ranks": [5], "lost": [{"rank": 5, "role": "worker", "how": "died", "reason": ""}]})
+    assert "samples trained per worker (the 63 live workers) 30 each\n" in lost and "worker rank 5 died; the others carried on" in lost
 
 def test_calibrate_makes_the_profile_s_directory_or_says_why_not(tmp_path, capsys):
     out = tmp_path / "new" / "dir" / "profile.toml"

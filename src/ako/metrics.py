@@ -118,8 +118,8 @@ def format_summary(s: dict) -> str:
         f"of training{paused}",
         *_metric_lines(s),
         *_replica_lines(s),
-        f"  throughput       {s['samples_per_second']:.0f} samples/{virtual}s; samples trained per worker{f' (ranks {_ranks(s)})' if _ranks(s) else ''} "
-        + _per_worker([w["samples"] for w in s["per_worker"]]),
+        f"  throughput       {s['samples_per_second']:.0f} samples/{virtual}s; samples trained per worker{f' ({_ranks(s)})' if _ranks(s) else ''} "
+        + _per_worker(s, "samples"),
         f"  sent per worker  {s['bytes_sent_per_worker_per_second'] / 1e6:.2f} MB/s "
         f"(received {s['bytes_received_per_worker_per_second'] / 1e6:.2f} MB/s)",
     ]
@@ -133,7 +133,7 @@ def format_summary(s: dict) -> str:
     if s.get("staleness_mean") is not None:
         lines.append(f"  staleness        mean {s['staleness_mean']:.2f}, max {s['staleness_max']} (server updates)")
     if s.get("handed_in") is not None:
-        each = _per_worker([w["handed_in"] for w in s["per_worker"]], "{:.0%}")
+        each = _per_worker(s, "handed_in", "{:.0%}")
         lines.append(
             f"  absp             share of its assignment handed in per iteration {each} (mean {s['handed_in']:.0%}); "
             f"oldest waiting sample {s['oldest_waiting']} iterations old"
@@ -149,10 +149,9 @@ def format_summary(s: dict) -> str:
             f"({s['partitions_reason']})"
         )
     if s.get("partial_steps"):
-        cut = _per_worker([w.get("partial_steps", 0) for w in s["per_worker"]])
-        short = _per_worker([w.get("samples_short", 0) for w in s["per_worker"]])
+        cut, short = _per_worker(s, "partial_steps"), _per_worker(s, "samples_short")
         lines.append(f"  partial steps    steps cut short behind the peers {cut}, samples fewer than whole steps {short} "
-                     f"(per worker{f', ranks {_ranks(s)}' if _ranks(s) else ''}; what a step left went first the next)")  # fmt: skip
+                     f"(per worker{f', {_ranks(s)}' if _ranks(s) else ''}; what a step left went first the next)")  # fmt: skip
     if "tau_reason" in s:
         lines.append(f"  elastic rounds   every tau = {s['tau']} steps ({s['tau_reason']})")
     if s.get("final_model"):
@@ -214,17 +213,24 @@ def _data_line(s: dict) -> str | None:
 PER_WORKER_LISTED = 8  # up to this many workers, the summary lists each one's figure
 
 
-def _per_worker(values: list, form: str = "{}") -> str:
-    """Per-worker figures, each formatted with `form`: "464 each" when they are all equal,
-    "464 / 470 / 12" for up to PER_WORKER_LISTED workers, else their spread,
-    "12 to 470 (median 464)"."""
+def _per_worker(s: dict, key: str, form: str = "{}") -> str:
+    """The workers' figure `key` (0 where a report lacks it), each formatted with `form`:
+    "464 each" when they are all equal, "464 / 470 / 12" for up to PER_WORKER_LISTED workers,
+    else their spread, with the rank of an extreme only one worker has: "12 (rank 3) to 470,
+    median 464"."""
+    values = [w.get(key, 0) for w in s["per_worker"]]
     shown = [form.format(v) for v in values]
     if len(set(shown)) == 1:
         return shown[0] if len(shown) == 1 else f"{shown[0]} each"
     if len(values) <= PER_WORKER_LISTED:
         return " / ".join(shown)
+
+    def extreme(value) -> str:
+        holders = [w["rank"] for w, v in zip(s["per_worker"], values) if v == value]
+        return form.format(value) + (f" (rank {holders[0]})" if len(holders) == 1 else "")
+
     middle = statistics.median_low(values)  # a worker's own figure, not a mean of two
-    return f"{form.format(min(values))} to {form.format(max(values))} (median {form.format(middle)})"
+    return f"{extreme(min(values))} to {extreme(max(values))}, median {form.format(middle)}"
 
 
 _HOW = {
@@ -235,9 +241,13 @@ _HOW = {
 
 
 def _ranks(s: dict) -> str:
-    """The ranks of the per-worker figures, "0, 2, 3", where workers were lost (those are the
-    survivors'), else ""."""
-    return ", ".join(str(w["rank"]) for w in s["per_worker"]) if s.get("lost_ranks") else ""
+    """Whose the per-worker figures are where workers were lost (the survivors'): "ranks 0, 2,
+    3", or past PER_WORKER_LISTED workers "the 63 live workers"; else ""."""
+    if not s.get("lost_ranks"):
+        return ""
+    if len(s["per_worker"]) > PER_WORKER_LISTED:
+        return f"the {len(s['per_worker'])} live workers"
+    return f"rank{'s' if len(s['per_worker']) > 1 else ''} " + ", ".join(str(w["rank"]) for w in s["per_worker"])
 
 
 def _loss(loss: dict) -> str:
