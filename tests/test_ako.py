@@ -131,6 +131,7 @@ def test_replicas_agree_after_the_flush_with_momentum(tmp_path):
     records = [json.loads(line) for line in (Path(result.summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert max(r["consensus_distance"] for r in records[:-1]) > 1e-4  # apart while training
     assert result.summary["consensus_distance"] < 1e-6
+    assert result.summary["consensus_distance_max"] == max(r["consensus_distance"] for r in records)  # the summary says so
     first = result.workers[0].params
     for params in params_of(result)[1:]:
         torch.testing.assert_close(params, first, rtol=0, atol=1e-6)

@@ -269,6 +269,9 @@ def test_the_summary_gives_the_spread_of_per_worker_figures_at_many_workers():
     ], [], {"epoch": 1.0, "test_accuracy": 0.5, "test_loss": 1.0}, True, 1.0, 1.0)  # fmt: skip
     lost = format_summary({**s, "lost_ranks": [5], "lost": [{"rank": 5, "role": "worker", "how": "died", "reason": ""}]})
     assert "samples trained per worker (the 63 live workers) 30 each\n" in lost and "worker rank 5 died; the others carried on" in lost
+    simulated = format_summary({**s, "train_seconds": 0.0046, "time_to_accuracy": {"0.5": 0.0046}, "simulation": {}})
+    assert " in 0.0046 virtual s of training" in simulated and "samples/virtual s;" in simulated
+    assert "time to accuracy 50%: 0.0046 virtual s" in simulated and "sent per worker  0.00 MB/virtual s" in simulated
 
 def test_calibrate_makes_the_profile_s_directory_or_says_why_not(tmp_path, capsys):
     out = tmp_path / "new" / "dir" / "profile.toml"

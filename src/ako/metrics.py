@@ -111,24 +111,24 @@ def format_summary(s: dict) -> str:
     """The summary as the lines printed at the end of a run."""
     evaluating = s["wall_seconds"] - s["train_seconds"]
     paused = f" (+ {evaluating:.1f} s evaluating)" if evaluating >= 0.05 else ""
-    virtual = "virtual " if "simulation" in s else ""  # the simulator's seconds and rates are of its clock
+    sec = _unit(s)
     lines = [
         f"ako {s['strategy']}: {s['workers']} worker{'s' if s['workers'] > 1 else ''}, {s['model']} on "
-        f"{s['dataset']}, {s['epochs']:.2f} epochs ({s['iterations']} iterations) in {s['train_seconds']:.1f} {virtual}s "
+        f"{s['dataset']}, {s['epochs']:.2f} epochs ({s['iterations']} iterations) in {_seconds(s['train_seconds'])} {sec} "
         f"of training{paused}",
         *_metric_lines(s),
         *_replica_lines(s),
-        f"  throughput       {s['samples_per_second']:.0f} samples/{virtual}s; samples trained per worker{f' ({_ranks(s)})' if _ranks(s) else ''} "
+        f"  throughput       {s['samples_per_second']:.0f} samples/{sec}; samples trained per worker{f' ({_ranks(s)})' if _ranks(s) else ''} "
         + _per_worker(s, "samples"),
-        f"  sent per worker  {s['bytes_sent_per_worker_per_second'] / 1e6:.2f} MB/s "
-        f"(received {s['bytes_received_per_worker_per_second'] / 1e6:.2f} MB/s)",
+        f"  sent per worker  {s['bytes_sent_per_worker_per_second'] / 1e6:.2f} MB/{sec} "
+        f"(received {s['bytes_received_per_worker_per_second'] / 1e6:.2f} MB/{sec})",
     ]
     if data := _data_line(s):
         lines.append(data)
     for server in s.get("per_server", []):
         lines.append(
-            f"  server rank {server['rank']:<4} in {server['bytes_in_per_second'] / 1e6:.2f} MB/s, "
-            f"out {server['bytes_out_per_second'] / 1e6:.2f} MB/s"
+            f"  server rank {server['rank']:<4} in {server['bytes_in_per_second'] / 1e6:.2f} MB/{sec}, "
+            f"out {server['bytes_out_per_second'] / 1e6:.2f} MB/{sec}"
         )
     if s.get("staleness_mean") is not None:
         lines.append(f"  staleness        mean {s['staleness_mean']:.2f}, max {s['staleness_max']} (server updates)")
@@ -136,7 +136,7 @@ def format_summary(s: dict) -> str:
         each = _per_worker(s, "handed_in", "{:.0%}")
         lines.append(
             f"  absp             share of its assignment handed in per iteration {each} (mean {s['handed_in']:.0%}); "
-            f"oldest waiting sample {s['oldest_waiting']} iterations old"
+            f"oldest waiting sample {s['oldest_waiting']} iteration{'s' if s['oldest_waiting'] != 1 else ''} old"
         )
     if s.get("resumed_from_step") is not None:
         lines.append(f"  resumed          from the checkpoint at step {s['resumed_from_step']}")
@@ -153,7 +153,8 @@ def format_summary(s: dict) -> str:
         lines.append(f"  partial steps    steps cut short behind the peers {cut}, samples fewer than whole steps {short} "
                      f"(per worker{f', {_ranks(s)}' if _ranks(s) else ''}; what a step left went first the next)")  # fmt: skip
     if "tau_reason" in s:
-        lines.append(f"  elastic rounds   every tau = {s['tau']} steps ({s['tau_reason']})")
+        never = f"; no round in this run's {s['iterations']} steps" if s["tau"] > s["iterations"] else ""
+        lines.append(f"  elastic rounds   every tau = {s['tau']} step{'s' if s['tau'] != 1 else ''} ({s['tau_reason']}){never}")
     if s.get("final_model"):
         m = s["final_model"]
         name = m["metric"]
@@ -186,10 +187,10 @@ def _metric_lines(s: dict) -> list[str]:
         lines.append(f"  test {name:<11} {text}")
     target = s.get("target_accuracy")
     if s["time_to_accuracy"]:
-        lines.append(f"  time to accuracy {_milestone_text(s['time_to_accuracy'])}" + ("" if target is None else f"  (target {target:.0%})"))
+        lines.append(f"  time to accuracy {_milestone_text(s['time_to_accuracy'], _unit(s))}" + ("" if target is None else f"  (target {target:.0%})"))
     if s.get("target") and not (target is not None and s["target"] == f"accuracy>={target:g}"):
         reached = s["time_to_target"]
-        lines.append(f"  time to target   {s['target']}: {'not reached' if reached is None else f'{reached:.1f} s'}")
+        lines.append(f"  time to target   {s['target']}: {'not reached' if reached is None else f'{_seconds(reached)} {_unit(s)}'}")
     return lines
 
 
@@ -256,18 +257,31 @@ def _loss(loss: dict) -> str:
     return f"{loss.get('role', 'worker')} rank {loss['rank']} {_HOW.get(loss['how'], loss['how'])}{reason}"
 
 
-def _milestone_text(times: dict) -> str:
-    return ", ".join(f"{float(k):.0%}: {'not reached' if v is None else f'{v:.1f} s'}" for k, v in times.items())
+def _milestone_text(times: dict, unit: str) -> str:
+    return ", ".join(f"{float(k):.0%}: {'not reached' if v is None else f'{_seconds(v)} {unit}'}" for k, v in times.items())
+
+
+def _unit(s: dict) -> str:
+    """The unit of the summary's times: "s", or "virtual s" for the simulator's clock."""
+    return "virtual s" if "simulation" in s else "s"
+
+
+def _seconds(x: float) -> str:
+    """A duration in seconds: one decimal, or two significant digits below 1 s (a simulated
+    run's 0.0046 s is not 0.0)."""
+    return f"{x:.1f}" if x >= 0.95 or x == 0 else f"{x:.2g}"
 
 
 def _replica_lines(s: dict) -> list[str]:
     """The average's time to accuracy, the final consensus distance, gossip's settings."""
     lines = []
     if s.get("average_time_to_accuracy"):
-        lines.append(f"  average reaches  {_milestone_text(s['average_time_to_accuracy'])}")
+        lines.append(f"  average reaches  {_milestone_text(s['average_time_to_accuracy'], _unit(s))}")
     if s.get("consensus_distance") is not None:
+        most = s.get("consensus_distance_max")
+        during = f", at most {most:.3g} during training" if most is not None and most > s["consensus_distance"] else ""
         lines.append(
-            f"  consensus        {s['consensus_distance']:.3g} at the end "
+            f"  consensus        {s['consensus_distance']:.3g} at the end{during} "
             "(mean distance of the replicas to their average, relative to its norm)"
         )
     if "gossip" in s:
@@ -359,6 +373,8 @@ def build_summary(
         if config.goal is not None:
             summary["average_time_to_target"] = time_to_target(records, config.goal, "average")
         summary["consensus_distance"] = final.get("consensus_distance")
+        during = [d for r in records if isinstance(d := r.get("consensus_distance"), (int, float)) and math.isfinite(d)]
+        summary["consensus_distance_max"] = max(during, default=None)  # before Ako's flush evens the replicas out
     if servers:
         summary["per_server"] = [
             {**r, "bytes_in_per_second": round(r["bytes_received"] / seconds), "bytes_out_per_second": round(r["bytes_sent"] / seconds)}

@@ -75,6 +75,7 @@ def simulate_job(job: Job, costs: Costs, data: Data | None = None) -> tuple[dict
     summary, model = final_summary(job, data, runtime.nodes[0].state, reports, finals, facts, [], run_dir)
     finishing = time.perf_counter() - finishing  # the evaluations left for after training, mostly
     summary["simulation"] = _simulation_facts(runtime, costs, reports, end, time.perf_counter() - started, finishing)
+    summary["simulation"]["stragglers"] = list(job.config.straggler)  # as given: "rank=3,factor=4"
     publish(run_dir, summary, format_simulation(summary["simulation"]))
     workers = [WorkerResult(r, replicas[r].params.clone(), runtime.nodes[r].facts) for r in range(n)]
     workers[0].summary, workers[0].model = summary, model
@@ -127,7 +128,8 @@ def format_simulation(s: dict) -> str:
         f"  simulated        {s['virtual_seconds']:.2f} virtual s in {s['real_seconds']:.1f} real s "
         f"({s['forward_backward_seconds']:.1f} s forward/backward, {s['evaluation_seconds']:.1f} s evaluating, "
         f"{s['not_forward_backward_share']:.0%} not forward/backward)",
-        f"  cost model       {_compute(s)}, links {bandwidth}, latency {s['latency_seconds'] * 1e6:g} us",
+        f"  cost model       {_compute(s)}, links {bandwidth}, latency {s['latency_seconds'] * 1e6:g} us"
+        + "".join(f"; straggler {text}" for text in s.get("stragglers", ())),
         f"  worker time      compute {s['worker_compute_seconds_mean']:.2f} s, idle {s['worker_idle_seconds_mean']:.2f} s, "
         f"communication {s['worker_communication_seconds_mean']:.2f} s (means; per worker and each server's NIC "
         "utilisation in summary.json)",
