@@ -22,6 +22,7 @@ from helpers import run_and_kill, wait_for_checkpoint
 
 import ako
 from ako.config import PARAMETER_SERVER, STRATEGIES, TrainConfig, load_toml
+from ako.metrics import format_summary
 from ako.runtime.distributed import checkpoint
 
 SURVIVES = {"ako", "gossip", "asp", "easgd"}  # carry on without a dead worker
@@ -176,6 +177,8 @@ def test_a_worker_stopped_past_the_timeout_is_dropped_and_ends(tmp_path, strateg
     resumed = ako.train(replace(config, resume=str(run_dir), epochs=125))
     assert resumed.summary["resumed_from_step"] == point and resumed.summary["lost_ranks"] == []
     assert [w["steps"] for w in resumed.summary["per_worker"]] == [resumed.summary["iterations"]] * 3
+    assert resumed.summary["resumed_as_rank_0"] == [2]  # its figures are rank 0's up to the checkpoint: the summary says so
+    assert "worker rank 2, lost before it, began again from rank 0's part" in format_summary(resumed.summary)
 
 
 @pytest.mark.parametrize("strategy", ["allreduce", "ssp"])

@@ -139,7 +139,10 @@ def format_summary(s: dict) -> str:
             f"oldest waiting sample {s['oldest_waiting']} iteration{'s' if s['oldest_waiting'] != 1 else ''} old"
         )
     if s.get("resumed_from_step") is not None:
-        lines.append(f"  resumed          from the checkpoint at step {s['resumed_from_step']}")
+        copies = s.get("resumed_as_rank_0") or []
+        again = (f"; worker rank{'s' if len(copies) > 1 else ''} {', '.join(map(str, copies))}, lost before it, began again "
+                 "from rank 0's part: its per-worker figures count rank 0's up to then" if copies else "")  # fmt: skip
+        lines.append(f"  resumed          from the checkpoint at step {s['resumed_from_step']}{again}")
     if s.get("lost_ranks"):
         lost = s.get("lost") or [{"rank": r, "role": "worker", "how": "died", "reason": ""} for r in s["lost_ranks"]]
         lines.append(f"  lost             {'; '.join(map(_loss, lost))}; the others carried on")
