@@ -332,6 +332,30 @@ def test_gradients_computed_together_equal_one_at_a_time(model):
     assert together.seconds > 0
 
 
+
+@pytest.mark.parametrize("model", ["cnn", "mlp", "resnet", "user's"])
+def test_an_evaluation_on_the_gradients_threads_equals_one_on_this_thread(model):
+    """The simulator's rank 0 evaluates its test batches on the gradients' two threads, one
+    torch thread each: the metrics equal, bit for bit, those of the batches one after another
+    on one torch thread (torch's two threads on a batch of 256 gave another loss in the last
+    bits, so a simulated run's figures depended on the thread count)."""
+    from ako.runtime.simulated.gradients import Gradients
+
+    torch.manual_seed(0)
+    replica = make_replica(_UsersNet() if model == "user's" else build_model(model, (1, 8, 8), 10), TrainConfig(dataset="digits"))
+    generator = torch.Generator().manual_seed(1)
+    test = torch.utils.data.TensorDataset(torch.randn(600, 1, 8, 8, generator=generator), torch.randint(0, 10, (600,), generator=generator))
+    alone = replica.evaluate(test, batch_size=64)
+    pool = Gradients(threads=2)
+    replica.map_batches = pool.map
+    torch.set_num_threads(2)  # this thread's torch threads: the pool's threads keep one each
+    try:
+        together = replica.evaluate(test, batch_size=64)
+    finally:
+        torch.set_num_threads(1)
+        pool.close()
+    assert together == alone and set(alone) == {"loss", "accuracy"}
+
 @pytest.mark.parametrize("strategy", ["absp", "ako", "allreduce", "asp", "bsp", "easgd", "gossip", "ssp"])
 def test_one_or_two_threads_give_the_same_run(tmp_path, strategy):
     """A whole short simulated run (a straggler, a costed network) with torch's one thread and
@@ -342,6 +366,7 @@ def test_one_or_two_threads_give_the_same_run(tmp_path, strategy):
     torch.set_num_threads(2)
     try:
         two = simulate(tmp_path, **config)
+        assert torch.get_num_threads() == 2  # the simulation ran its own tensor work on one, and gives them back
     finally:
         torch.set_num_threads(1)
     for a, b in zip(one.workers, two.workers):

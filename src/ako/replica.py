@@ -114,6 +114,7 @@ class Replica:
             offsets.append(offset)
         self.boundaries = offsets
         self.optimizer = optimization.build(self.params)
+        self.map_batches = map  # how `evaluate` runs its batches: one after another (the simulator gives threads)
         self._ready: Callable[[int], None] | None = None  # see `compute_gradient`
         for i, p in enumerate(tensors):
             p.register_post_accumulate_grad_hook(functools.partial(self._gradient_done, i))
@@ -207,16 +208,21 @@ class Replica:
         finally:
             self.params.copy_(own)
 
-    @torch.no_grad()
     def evaluate(self, dataset, batch_size: int = 256) -> dict:
         """`eval_fn`'s metrics of this replica over `dataset`: each the mean over samples of
-        the per-batch means (weighted by batch size). Default: {"loss", "accuracy"}."""
+        the per-batch means (weighted by batch size). Default: {"loss", "accuracy"}. The
+        batches go through `map_batches` (the builtin `map`, or the simulator's threads); the
+        sums are taken in batch order either way."""
         self.model.eval()
+        batches = torch.arange(len(dataset)).split(batch_size)
         sums: dict[str, float] = {}
-        for idx in torch.arange(len(dataset)).split(batch_size):
-            batch = to_device(fetch(dataset, idx, self.collate_fn), self.params.device)
-            with self._autocast():
-                metrics = self.eval_fn(self.model, batch)
+        for idx, metrics in zip(batches, self.map_batches(functools.partial(self._batch_metrics, dataset), batches)):
             for name, value in metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(value) * len(idx)
         return {name: total / len(dataset) for name, total in sums.items()}
+
+    @torch.no_grad()  # on the thread that runs it: grad mode is per thread
+    def _batch_metrics(self, dataset, idx: torch.Tensor) -> dict:
+        batch = to_device(fetch(dataset, idx, self.collate_fn), self.params.device)
+        with self._autocast():
+            return self.eval_fn(self.model, batch)

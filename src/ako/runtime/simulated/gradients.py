@@ -78,6 +78,13 @@ class Gradients:
         for entry, loss in zip(filed, losses):
             entry.loss = loss
 
+    def map(self, fn, items) -> list:
+        """`fn` of each of `items`, in order: on the threads, each with one torch thread (as the
+        gradients; the simulator's evaluations run their test batches so), or here with one."""
+        if self._pool is None:
+            return [fn(item) for item in items]
+        return list(self._pool.map(fn, items))
+
     def close(self) -> None:
         """Stop the threads (gradients still filed are dropped)."""
         self.filed = []

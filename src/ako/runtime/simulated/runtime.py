@@ -350,10 +350,7 @@ class SimulatedRuntime:
     def run(self) -> None:
         """Run the simulation until every program has ended. Raises RuntimeError when some
         wait for ever (a deadlock: no events left)."""
-        try:
-            self.env.run()
-        finally:
-            self.gradients.close()
+        self.env.run()
         stuck = [n for n in self.nodes if n.facts is None]
         if stuck:
             what = ", ".join(

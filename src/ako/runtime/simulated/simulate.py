@@ -43,8 +43,43 @@ def simulate_job(job: Job, costs: Costs, data: Data | None = None) -> tuple[dict
                           f"model {tensors} parameter tensors; run ako calibrate for this model")  # fmt: skip
     job.validate(data, replicas[0].numel)
     env = simpy.Environment()
-    runtime = SimulatedRuntime(env, costs, world, n, config.step_samples, threads=torch.get_num_threads())
-    run_dir = open_run_dir(config, strategy.name, data)
+    threads = torch.get_num_threads()
+    runtime = SimulatedRuntime(env, costs, world, n, config.step_samples, threads)
+    # The parallel work runs on the gradients' threads, one torch thread each: the gradients,
+    # and rank 0's test batches. Here, between events, torch gets one thread: its threads wait
+    # on each other at every operation, and when other processes share the cores that made a
+    # run 5x slower (benchmarks/sim_scale.py with a busy process beside it), for 10% when idle.
+    torch.set_num_threads(1)
+    try:
+        run_dir = open_run_dir(config, strategy.name, data)
+        _start(runtime, job, data, replicas, run_dir)
+        try:
+            runtime.run()
+        finally:
+            runtime.progress.close()
+        end = env.now
+        reports = [runtime.node_report(rank, end) for rank in range(world)]
+        facts = runtime.nodes[0].facts
+        finals = [r.params for r in replicas[:n]] if strategy.replicas_differ else []
+        finishing = time.perf_counter()
+        summary, model = final_summary(job, data, runtime.nodes[0].state, reports, finals, facts, [], run_dir)
+        finishing = time.perf_counter() - finishing  # the evaluations left for after training, mostly
+    finally:
+        runtime.gradients.close()
+        torch.set_num_threads(threads)
+    summary["simulation"] = _simulation_facts(runtime, costs, reports, end, time.perf_counter() - started, finishing)
+    summary["simulation"]["stragglers"] = list(job.config.straggler)  # as given: "rank=3,factor=4"
+    publish(run_dir, summary, format_simulation(summary["simulation"]))
+    workers = [WorkerResult(r, replicas[r].params.clone(), runtime.nodes[r].facts) for r in range(n)]
+    workers[0].summary, workers[0].model = summary, model
+    return summary, workers
+
+
+def _start(runtime: SimulatedRuntime, job: Job, data: Data, replicas: list, run_dir) -> None:
+    """Start every rank's program on `runtime` (workers first, then servers) and its progress
+    bar; rank 0 evaluates its test batches on the gradients' threads."""
+    config, strategy = job.config, job.strategy
+    n, world = config.workers, len(replicas)
     servers = list(range(n, world))
     copies: dict = {}  # the replicas' copies at evaluation points, for the consensus distance
     for rank in range(world):
@@ -61,25 +96,9 @@ def simulate_job(job: Job, costs: Costs, data: Data | None = None) -> tuple[dict
         else:
             runtime.start(rank, strategy.server, ServerContext(rank, rank - n, servers, list(range(n)), replica, config))
     rank0 = runtime.nodes[0].state
-    runtime.progress = Progress(env, rank0.planned_steps * n, config.progress,
+    rank0.replica.map_batches = runtime.gradients.map
+    runtime.progress = Progress(runtime.env, rank0.planned_steps * n, config.progress,
                                 lambda: rank0.evaluator.log.records[-1] if rank0.evaluator.log.records else None)  # fmt: skip
-    try:
-        runtime.run()
-    finally:
-        runtime.progress.close()
-    end = env.now
-    reports = [runtime.node_report(rank, end) for rank in range(world)]
-    facts = runtime.nodes[0].facts
-    finals = [r.params for r in replicas[:n]] if strategy.replicas_differ else []
-    finishing = time.perf_counter()
-    summary, model = final_summary(job, data, runtime.nodes[0].state, reports, finals, facts, [], run_dir)
-    finishing = time.perf_counter() - finishing  # the evaluations left for after training, mostly
-    summary["simulation"] = _simulation_facts(runtime, costs, reports, end, time.perf_counter() - started, finishing)
-    summary["simulation"]["stragglers"] = list(job.config.straggler)  # as given: "rank=3,factor=4"
-    publish(run_dir, summary, format_simulation(summary["simulation"]))
-    workers = [WorkerResult(r, replicas[r].params.clone(), runtime.nodes[r].facts) for r in range(n)]
-    workers[0].summary, workers[0].model = summary, model
-    return summary, workers
 
 
 def _simulation_facts(runtime: SimulatedRuntime, costs: Costs, reports: list[dict], end: float, real: float,
