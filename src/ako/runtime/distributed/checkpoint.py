@@ -43,8 +43,8 @@ from pathlib import Path
 import torch
 
 from ako.checks import misfit
-from ako.replica import buffers_misfit
 from ako.config import ConfigError
+from ako.replica import buffers_misfit
 from ako.strategies.tags import CHECKPOINT
 
 FORMAT = 1

@@ -47,8 +47,8 @@ def simulate_job(job: Job, costs: Costs, data: Data | None = None) -> tuple[dict
     runtime = SimulatedRuntime(env, costs, world, n, config.step_samples, threads)
     # The parallel work runs on the gradients' threads, one torch thread each: the gradients,
     # and rank 0's test batches. Here, between events, torch gets one thread: its threads wait
-    # on each other at every operation, and when other processes share the cores that made a
-    # run 5x slower (benchmarks/sim_scale.py with a busy process beside it), for 10% when idle.
+    # on each other at every operation, which made a 64-worker run 3.6x to 4.4x slower with a
+    # busy process beside it (benchmarks/sim_scale.py); one thread costs 10-15% on idle cores.
     torch.set_num_threads(1)
     try:
         run_dir = open_run_dir(config, strategy.name, data)
