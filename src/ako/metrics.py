@@ -114,7 +114,7 @@ def format_summary(s: dict) -> str:
     sec = _unit(s)
     lines = [
         f"ako {s['strategy']}: {s['workers']} worker{'s' if s['workers'] > 1 else ''}, {s['model']} on "
-        f"{s['dataset']}, {s['epochs']:.2f} epochs ({s['iterations']} iterations) in {_seconds(s['train_seconds'])} {sec} "
+        f"{s['dataset']}, {s['epochs']:.2f} epochs ({s['iterations']} iterations) in {duration(s['train_seconds'])} {sec} "
         f"of training{paused}",
         *_metric_lines(s),
         *_replica_lines(s),
@@ -156,7 +156,7 @@ def format_summary(s: dict) -> str:
         lines.append(f"  partial steps    steps cut short behind the peers {cut}, samples fewer than whole steps {short} "
                      f"(per worker{f', {_ranks(s)}' if _ranks(s) else ''}; what a step left went first the next)")  # fmt: skip
     if "tau_reason" in s:
-        never = f"; no round in this run's {s['iterations']} steps" if s["tau"] > s["iterations"] else ""
+        never = f"; longer than this run's {s['iterations']} steps: one round, at its end" if s["tau"] > s["iterations"] else ""
         lines.append(f"  elastic rounds   every tau = {s['tau']} step{'s' if s['tau'] != 1 else ''} ({s['tau_reason']}){never}")
     if s.get("final_model"):
         m = s["final_model"]
@@ -193,7 +193,7 @@ def _metric_lines(s: dict) -> list[str]:
         lines.append(f"  time to accuracy {_milestone_text(s['time_to_accuracy'], _unit(s))}" + ("" if target is None else f"  (target {target:.0%})"))
     if s.get("target") and not (target is not None and s["target"] == f"accuracy>={target:g}"):
         reached = s["time_to_target"]
-        lines.append(f"  time to target   {s['target']}: {'not reached' if reached is None else f'{_seconds(reached)} {_unit(s)}'}")
+        lines.append(f"  time to target   {s['target']}: {'not reached' if reached is None else f'{duration(reached)} {_unit(s)}'}")
     return lines
 
 
@@ -205,6 +205,8 @@ def _data_line(s: dict) -> str | None:
         return None
     left, total = s.get("samples_left_out_per_epoch") or 0, s["train_samples"]
     cut = "; fewer where steps were cut short (partial steps, below)" if s.get("partial_steps") else ""
+    if (s.get("handed_in") or 1) < 1:
+        cut += "; fewer where a worker handed in part of its assignment (absp, below)"
     if dead:
         shard = (total - left) // s["workers"]
         whose = f"shard of lost worker rank {dead[0]} ({shard} samples)" if len(dead) == 1 else (
@@ -261,7 +263,7 @@ def _loss(loss: dict) -> str:
 
 
 def _milestone_text(times: dict, unit: str) -> str:
-    return ", ".join(f"{float(k):.0%}: {'not reached' if v is None else f'{_seconds(v)} {unit}'}" for k, v in times.items())
+    return ", ".join(f"{float(k):.0%}: {'not reached' if v is None else f'{duration(v)} {unit}'}" for k, v in times.items())
 
 
 def _unit(s: dict) -> str:
@@ -269,7 +271,7 @@ def _unit(s: dict) -> str:
     return "virtual s" if "simulation" in s else "s"
 
 
-def _seconds(x: float) -> str:
+def duration(x: float) -> str:
     """A duration in seconds: one decimal, or two significant digits below 1 s (a simulated
     run's 0.0046 s is not 0.0)."""
     return f"{x:.1f}" if x >= 0.95 or x == 0 else f"{x:.2g}"
@@ -360,7 +362,7 @@ def build_summary(
         "target": None if config.goal is None else str(config.goal),
         "time_to_target": None if config.goal is None else time_to_target(records, config.goal),
         "time_to_accuracy": milestones(records, config.target_accuracy),
-        "train_seconds": round(train_seconds, 3),
+        "train_seconds": float(f"{train_seconds:.6g}"),  # a simulated run's may be milliseconds
         "wall_seconds": round(wall_seconds, 3),
         "samples": samples,
         "samples_per_second": round(samples / seconds, 1),

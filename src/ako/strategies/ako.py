@@ -422,15 +422,15 @@ class Budget:
         b, t = self.bandwidth, self.step_time
         if p == wanted:
             return p, (
-                f"auto: {what} = {need / 1e6:.2f} MB per step must fit B x T_step = {b / 1e6:.1f} MB/s "
-                f"({self.source}) x {t * 1e3:.1f} ms (a step's compute) = {b * t / 1e6:.2f} MB, "
+                f"auto: {what} = {need / 1e6:.2f} MB per step must fit B x T_step = {b / 1e6:.4g} MB/s "
+                f"({self.source}) x {t * 1e3:.3g} ms (a step's compute) = {b * t / 1e6:.3g} MB, "
                 f"so p = ceil({need / (b * t):.2f}) = {p}"
             )
         per_step = need / p
         return p, (
             f"link-bound: the link budget asks for p = {wanted}, capped at {self.cap} to keep the delay short; "
             f"{what} / {p} = {per_step / 1e6:.2f} MB per step takes {per_step / b * 1e3:.1f} ms at "
-            f"{b / 1e6:.1f} MB/s ({self.source}), longer than the {t * 1e3:.1f} ms of a step's compute: on such a "
+            f"{b / 1e6:.4g} MB/s ({self.source}), longer than the {t * 1e3:.3g} ms of a step's compute: on such a "
             "link the steps wait for it"
         )
 

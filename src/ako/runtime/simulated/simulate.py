@@ -14,6 +14,7 @@ import simpy
 import torch
 
 from ako.config import ConfigError
+from ako.metrics import duration
 from ako.run.job import Data, Job
 from ako.run.outcome import WorkerResult, final_summary, open_log, open_run_dir, publish
 from ako.run.worker import WorkerState
@@ -144,14 +145,14 @@ def format_simulation(s: dict) -> str:
     """The simulator's lines printed after the run summary."""
     bandwidth = "free" if s["bandwidth_bytes_per_second"] is None else f"{s['bandwidth_bytes_per_second'] * 8 / 1e9:g} Gbit/s"
     return "\n".join([
-        f"  simulated        {s['virtual_seconds']:.2f} virtual s in {s['real_seconds']:.1f} real s "
+        f"  simulated        {duration(s['virtual_seconds'])} virtual s in {s['real_seconds']:.1f} real s "
         f"({s['forward_backward_seconds']:.1f} s forward/backward, {s['evaluation_seconds']:.1f} s evaluating, "
         f"{s['not_forward_backward_share']:.0%} not forward/backward)",
         f"  cost model       {_compute(s)}, links {bandwidth}, latency {s['latency_seconds'] * 1e6:g} us"
         + "".join(f"; straggler {text}" for text in s.get("stragglers", ())),
-        f"  worker time      compute {s['worker_compute_seconds_mean']:.2f} s, idle {s['worker_idle_seconds_mean']:.2f} s, "
-        f"communication {s['worker_communication_seconds_mean']:.2f} s (means; per worker and each server's NIC "
-        "utilisation in summary.json)",
+        f"  worker time      compute {duration(s['worker_compute_seconds_mean'])}, idle {duration(s['worker_idle_seconds_mean'])}, "
+        f"communication {duration(s['worker_communication_seconds_mean'])} virtual s (means; per worker and each server's "
+        "NIC utilisation in summary.json)",
     ] + [
         f"  server rank {r['rank']:<4} NIC utilisation: downlink {r['downlink_utilisation']:.0%}, uplink {r['uplink_utilisation']:.0%}"
         for r in s["servers"]

@@ -69,8 +69,8 @@ def choose_tau(ctx):
     if math.isinf(bandwidth):
         return 1, "auto: the link is free (a simulated link without --bandwidth), so tau = 1"
     return tau, (
-        f"auto: n x model / servers = {need / 1e6:.2f} MB per round must fit B x T_step = {bandwidth / 1e6:.1f} MB/s "
-        f"({source}) x {step_time * 1e3:.1f} ms (a step's compute) = {bandwidth * step_time / 1e6:.2f} MB a step, "
+        f"auto: n x model / servers = {need / 1e6:.2f} MB per round must fit B x T_step = {bandwidth / 1e6:.4g} MB/s "
+        f"({source}) x {step_time * 1e3:.3g} ms (a step's compute) = {bandwidth * step_time / 1e6:.3g} MB a step, "
         f"so tau = ceil({ratio:.2f}) = {tau}" + (f" (at most {TAU_MAX})" if tau == TAU_MAX else "")
     )
 
