@@ -84,6 +84,11 @@ def test_allreduce_schedule_with_a_straggler(tmp_path):
     result = simulate(tmp_path, strategy="allreduce", straggler=("rank=1,factor=3",), **COSTS)
     assert virtual(result) == pytest.approx(STEPS * (3 * C + (G + 4) / B + 2 * LAT), rel=1e-12)
     assert result.summary["per_worker"][0]["idle_seconds"] == pytest.approx(STEPS * 2 * C, abs=1e-6)
+    from ako.metrics import duration
+    from ako.runtime.simulated.simulate import format_simulation
+
+    compute, idle = duration(STEPS * C), duration(STEPS * 2 * C)  # each worker's, in the summary's lines
+    assert f"  worker time      virtual s of compute {compute} / {duration(STEPS * 3 * C)}; idle {idle} / 0.0; " in format_simulation(result.summary)
 
 
 def test_ako_two_partitions_lock_step_schedule(tmp_path):

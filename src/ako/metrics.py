@@ -119,7 +119,7 @@ def format_summary(s: dict) -> str:
         *_metric_lines(s),
         *_replica_lines(s),
         f"  throughput       {s['samples_per_second']:.0f} samples/{sec}; samples trained per worker{f' ({_ranks(s)})' if _ranks(s) else ''} "
-        + _per_worker(s, "samples"),
+        + per_worker(s, "samples"),
         f"  sent per worker  {s['bytes_sent_per_worker_per_second'] / 1e6:.2f} MB/{sec} "
         f"(received {s['bytes_received_per_worker_per_second'] / 1e6:.2f} MB/{sec})",
     ]
@@ -133,7 +133,7 @@ def format_summary(s: dict) -> str:
     if s.get("staleness_mean") is not None:
         lines.append(f"  staleness        mean {s['staleness_mean']:.2f}, max {s['staleness_max']} (server updates)")
     if s.get("handed_in") is not None:
-        each = _per_worker(s, "handed_in", "{:.0%}")
+        each = per_worker(s, "handed_in", "{:.0%}")
         lines.append(
             f"  absp             share of its assignment handed in per iteration {each} (mean {s['handed_in']:.0%}); "
             f"oldest waiting sample {s['oldest_waiting']} iteration{'s' if s['oldest_waiting'] != 1 else ''} old"
@@ -152,7 +152,7 @@ def format_summary(s: dict) -> str:
             f"({s['partitions_reason']})"
         )
     if s.get("partial_steps"):
-        cut, short = _per_worker(s, "partial_steps"), _per_worker(s, "samples_short")
+        cut, short = per_worker(s, "partial_steps"), per_worker(s, "samples_short")
         lines.append(f"  partial steps    steps cut short behind the peers {cut}, samples fewer than whole steps {short} "
                      f"(per worker{f', {_ranks(s)}' if _ranks(s) else ''}; what a step left went first the next)")  # fmt: skip
     if "tau_reason" in s:
@@ -219,13 +219,15 @@ def _data_line(s: dict) -> str | None:
 PER_WORKER_LISTED = 8  # up to this many workers, the summary lists each one's figure
 
 
-def _per_worker(s: dict, key: str, form: str = "{}") -> str:
-    """The workers' figure `key` (0 where a report lacks it), each formatted with `form`:
+def per_worker(s: dict, key: str, form="{}") -> str:
+    """The workers' figure `key` (0 where a report lacks it), each formatted with `form` (a
+    format string or a function):
     "464 each" when they are all equal, "464 / 470 / 12" for up to PER_WORKER_LISTED workers,
     else their spread, with the rank of an extreme only one worker has: "12 (rank 3) to 470,
     median 464"."""
     values = [w.get(key, 0) for w in s["per_worker"]]
-    shown = [form.format(v) for v in values]
+    show = form.format if isinstance(form, str) else form
+    shown = [show(v) for v in values]
     if len(set(shown)) == 1:
         return shown[0] if len(shown) == 1 else f"{shown[0]} each"
     if len(values) <= PER_WORKER_LISTED:
@@ -233,10 +235,10 @@ def _per_worker(s: dict, key: str, form: str = "{}") -> str:
 
     def extreme(value) -> str:
         holders = [w["rank"] for w, v in zip(s["per_worker"], values) if v == value]
-        return form.format(value) + (f" (rank {holders[0]})" if len(holders) == 1 else "")
+        return show(value) + (f" (rank {holders[0]})" if len(holders) == 1 else "")
 
     middle = statistics.median_low(values)  # a worker's own figure, not a mean of two
-    return f"{extreme(min(values))} to {extreme(max(values))}, median {form.format(middle)}"
+    return f"{extreme(min(values))} to {extreme(max(values))}, median {show(middle)}"
 
 
 _HOW = {

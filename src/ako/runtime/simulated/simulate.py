@@ -14,7 +14,7 @@ import simpy
 import torch
 
 from ako.config import ConfigError
-from ako.metrics import duration
+from ako.metrics import duration, per_worker
 from ako.run.job import Data, Job
 from ako.run.outcome import WorkerResult, final_summary, open_log, open_run_dir, publish
 from ako.run.worker import WorkerState
@@ -70,7 +70,7 @@ def simulate_job(job: Job, costs: Costs, data: Data | None = None) -> tuple[dict
         torch.set_num_threads(threads)
     summary["simulation"] = _simulation_facts(runtime, costs, reports, end, time.perf_counter() - started, finishing)
     summary["simulation"]["stragglers"] = list(job.config.straggler)  # as given: "rank=3,factor=4"
-    publish(run_dir, summary, format_simulation(summary["simulation"]))
+    publish(run_dir, summary, format_simulation(summary))
     workers = [WorkerResult(r, replicas[r].params.clone(), runtime.nodes[r].facts) for r in range(n)]
     workers[0].summary, workers[0].model = summary, model
     return summary, workers
@@ -141,8 +141,10 @@ def _compute(s: dict) -> str:
     return "one shared host, " + "/".join(f"{t * 1e3:.3g}" for t in shared) + f" ms/sample with 1..{len(shared)} computing"
 
 
-def format_simulation(s: dict) -> str:
-    """The simulator's lines printed after the run summary."""
+def format_simulation(summary: dict) -> str:
+    """The simulator's lines printed after the run `summary` (its `simulation` figures, and
+    each worker's time accounts)."""
+    s = summary["simulation"]
     bandwidth = "free" if s["bandwidth_bytes_per_second"] is None else f"{s['bandwidth_bytes_per_second'] * 8 / 1e9:g} Gbit/s"
     return "\n".join([
         f"  simulated        {duration(s['virtual_seconds'])} virtual s in {s['real_seconds']:.1f} real s "
@@ -150,9 +152,8 @@ def format_simulation(s: dict) -> str:
         f"{s['not_forward_backward_share']:.0%} not forward/backward)",
         f"  cost model       {_compute(s)}, links {bandwidth}, latency {s['latency_seconds'] * 1e6:g} us"
         + "".join(f"; straggler {text}" for text in s.get("stragglers", ())),
-        f"  worker time      compute {duration(s['worker_compute_seconds_mean'])}, idle {duration(s['worker_idle_seconds_mean'])}, "
-        f"communication {duration(s['worker_communication_seconds_mean'])} virtual s (means; per worker and each server's "
-        "NIC utilisation in summary.json)",
+        "  worker time      virtual s of " + "; ".join(f"{what} {per_worker(summary, f'{what}_seconds', duration)}"
+                                                     for what in ("compute", "idle", "communication")),
     ] + [
         f"  server rank {r['rank']:<4} NIC utilisation: downlink {r['downlink_utilisation']:.0%}, uplink {r['uplink_utilisation']:.0%}"
         for r in s["servers"]
