@@ -360,6 +360,7 @@ def test_an_evaluation_on_the_gradients_threads_equals_one_on_this_thread(model)
         torch.set_num_threads(1)
         pool.close()
     assert together == alone and set(alone) == {"loss", "accuracy"}
+    assert replica.evaluate(test, batch_size=64) == alone  # after the threads are stopped, on this one
 
 @pytest.mark.parametrize("strategy", ["absp", "ako", "allreduce", "asp", "bsp", "easgd", "gossip", "ssp"])
 def test_one_or_two_threads_give_the_same_run(tmp_path, strategy):

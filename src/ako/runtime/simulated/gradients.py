@@ -86,7 +86,9 @@ class Gradients:
         return list(self._pool.map(fn, items))
 
     def close(self) -> None:
-        """Stop the threads (gradients still filed are dropped)."""
+        """Stop the threads (gradients still filed are dropped); what comes after runs on the
+        caller's thread."""
         self.filed = []
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+            self._pool = None
