@@ -133,7 +133,7 @@ def format_summary(s: dict) -> str:
     if s.get("staleness_mean") is not None:
         lines.append(f"  staleness        mean {s['staleness_mean']:.2f}, max {s['staleness_max']} (server updates)")
     if s.get("handed_in") is not None:
-        each = per_worker(s, "handed_in", "{:.0%}")
+        each = per_worker(s, "handed_in", "{:.0%}".format)
         lines.append(
             f"  absp             share of its assignment handed in per iteration {each} (mean {s['handed_in']:.0%}); "
             f"oldest waiting sample {s['oldest_waiting']} iteration{'s' if s['oldest_waiting'] != 1 else ''} old"
@@ -219,14 +219,12 @@ def _data_line(s: dict) -> str | None:
 PER_WORKER_LISTED = 8  # up to this many workers, the summary lists each one's figure
 
 
-def per_worker(s: dict, key: str, form="{}") -> str:
-    """The workers' figure `key` (0 where a report lacks it), each formatted with `form` (a
-    format string or a function):
+def per_worker(s: dict, key: str, show=str) -> str:
+    """The workers' figure `key` (0 where a report lacks it), each as `show` writes it:
     "464 each" when they are all equal, "464 / 470 / 12" for up to PER_WORKER_LISTED workers,
     else their spread, with the rank of an extreme only one worker has: "12 (rank 3) to 470,
     median 464"."""
     values = [w.get(key, 0) for w in s["per_worker"]]
-    show = form.format if isinstance(form, str) else form
     shown = [show(v) for v in values]
     if len(set(shown)) == 1:
         return shown[0] if len(shown) == 1 else f"{shown[0]} each"

@@ -96,7 +96,7 @@ def final_model(state: WorkerState, unflushed: torch.Tensor, final: dict, test_s
 
 def final_summary(
     job: Job, data, state: WorkerState, reports: list[dict], finals, facts: dict, lost: list[dict], run_dir: Path,
-    resumed: int | None = None,
+    resumed: int | None = None, restarted: list[int] = (),
 ) -> tuple[dict, torch.Tensor]:  # fmt: skip
     """Rank 0, after training: evaluate what is left and build the run's summary (`publish`
     writes and prints it). `finals`: the
@@ -104,7 +104,8 @@ def final_summary(
     their average is weighted by each worker's `average_weight` fact when it has one. `facts`:
     rank 0's program's; its `centre` is the model a strategy with a centre variable reports, and
     its `unflushed` rank 0's replica before a final flush (Ako), each (numel,) when present. `lost`:
-the lost ranks (`Mailbox.losses`). `resumed`: the step of the checkpoint the run resumed from, if any.
+the lost ranks (`Mailbox.losses`). `resumed`: the step of the checkpoint the run resumed from, if any; `restarted`: the
+workers lost before it, which began again as copies of rank 0's part.
     Writes model.pt (`save_model`); returns the summary and that model, flat (numel,)."""
     end = {}
     if finals:
@@ -129,6 +130,7 @@ the lost ranks (`Mailbox.losses`). `resumed`: the step of the checkpoint the run
     summary["lost_ranks"] = [loss["rank"] for loss in lost]
     summary["lost"] = lost
     summary["resumed_from_step"] = resumed
+    summary["resumed_as_rank_0"] = list(restarted)
     summary["run_dir"] = str(run_dir)
     return summary, model.detach().cpu().clone()
 

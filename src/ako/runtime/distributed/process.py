@@ -232,9 +232,8 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     result = WorkerResult(rank, replica.params.cpu().clone(), facts)
     if rank == 0:
         lost = runtime.mailbox.losses()
-        result.summary, result.model = final_summary(job, data, state, reports, finals, facts, lost, run_dir, resumed=point)
-        if point is not None:  # workers lost before the checkpoint began again as copies of rank 0's part
-            result.summary["resumed_as_rank_0"] = checkpoint.stand_ins(run_dir, point)
+        restarted = checkpoint.stand_ins(run_dir, point) if point is not None else []
+        result.summary, result.model = final_summary(job, data, state, reports, finals, facts, lost, run_dir, point, restarted)
         publish(run_dir, result.summary)
     return result, bool(runtime.mailbox.lost)
 
