@@ -93,7 +93,10 @@ BAD_INPUT = [
     (["--straggler", "rank=1,factor=nan"], "straggler 'rank=1,factor=nan': factor must be a number >= 1"),
     (["--checkpoint-every", "often"], "checkpoint_every 'often': expected a period like 30s, 5min or 1h"),
     (["--checkpoint-every", "0s"], "checkpoint_every '0s': must be more than 0 s and at most 1e6 s"),
-    (["--resume", "/nonexistent/run"], "resume '/nonexistent/run': not a run directory (no config.toml in it)"),
+    (["--resume", "/nonexistent/run"], "resume '/nonexistent/run': no such directory"),
+    (["--resume", "/tmp"], "resume '/tmp': not a run directory (no config.toml in it)"),
+    (["--straggler", "rank=1,factor=4", "--straggler", "rank=1,factor=2"],
+     "straggler 'rank=1,factor=2': rank 1 has one already ('rank=1,factor=4'); give each rank one"),
     (["--out-dir", "runs\x00"], "out_dir 'runs\\x00': contains a NUL character"),
     (["--data-dir", "/tmp"], "data_dir '/tmp': digits is bundled with scikit-learn and reads no files"),
 ]

@@ -479,8 +479,10 @@ def test_load_model_of_a_damaged_model_file_is_one_error(tmp_path):
     (run_dir / "model.pt").write_bytes(b"not a model")
     with pytest.raises(ako.ConfigError, match="model.pt: cannot load it into the model"):
         ako.load_model(run_dir)
-    with pytest.raises(ako.ConfigError, match="not a run directory"):
+    with pytest.raises(ako.ConfigError, match="no such directory"):
         ako.load_model(tmp_path / "nowhere")
+    with pytest.raises(ako.ConfigError, match="not a run directory"):
+        ako.load_model(tmp_path)
 
 
 def test_samples_left_out_of_each_epoch_are_counted(tmp_path):

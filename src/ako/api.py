@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ako.config import CUSTOM, FIELDS, ConfigError, TrainConfig, load_toml, validate
+from ako.config import CUSTOM, FIELDS, ConfigError, TrainConfig, load_toml, run_config, validate
 from ako.optim import OptimizerFn, SchedulerFn
 from ako.replica import EvalFn, LossFn
 from ako.run.job import Job
@@ -120,10 +120,7 @@ def with_saved(config: TrainConfig) -> TrainConfig:
     """`config` with every setting left at its default taken from `config.resume`'s saved
     config.toml (a resumed run keeps its settings unless told otherwise). Raises ConfigError
     when that directory holds no config.toml."""
-    path = os.path.join(str(config.resume), "config.toml")
-    if not os.path.isfile(path):
-        raise ConfigError(f"resume {config.resume!r}: not a run directory (no config.toml in it)")
-    saved = load_toml(path)
+    saved = load_toml(run_config(str(config.resume)))
     kept = {k: v for k, v in saved.items() if k != "resume" and v != CUSTOM and getattr(config, k) == FIELDS[k].default}
     return dataclasses.replace(config, **kept)
 
@@ -136,8 +133,7 @@ def load_model(run_dir: str | os.PathLike, model_fn: ModelFn | None = None) -> n
     directory has no model.pt, it cannot be read, or the module does not match it."""
     run_dir = str(run_dir)
     path = os.path.join(run_dir, MODEL_FILE)
-    if not os.path.isfile(os.path.join(run_dir, "config.toml")):
-        raise ConfigError(f"run directory {run_dir!r}: not a run directory (no config.toml in it)")
+    run_config(run_dir, "run directory")
     if not os.path.isfile(path):
         raise ConfigError(f"run directory {run_dir!r}: no {MODEL_FILE} (the run did not finish)")
     try:

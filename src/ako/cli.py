@@ -10,7 +10,7 @@ import signal
 import sys
 import tomllib
 
-from ako.config import FIELDS, STRATEGIES, ConfigError, TrainConfig, load_toml, validate
+from ako.config import FIELDS, STRATEGIES, ConfigError, TrainConfig, load_toml, run_config, validate
 from ako.optim import OPTIMIZERS, SCHEDULES
 from ako.strategies import STRATEGIES as REGISTRY
 
@@ -159,9 +159,7 @@ def config_from_args(args: argparse.Namespace, simulated: bool = False) -> Train
     when `simulated`)."""
     values = {}
     if getattr(args, "resume", None) is not None:
-        if not os.path.isfile(os.path.join(args.resume, "config.toml")):
-            raise ConfigError(f"resume {args.resume!r}: not a run directory (no config.toml in it)")
-        values = load_toml(os.path.join(args.resume, "config.toml"))
+        values = load_toml(run_config(args.resume))
     if getattr(args, "config", None) is not None:
         values.update(load_toml(args.config))
     for name in FIELDS:

@@ -93,7 +93,9 @@ def check_stragglers(texts, workers: int) -> tuple[str, ...]:
     """Validate `--straggler` texts against the worker count; returns them normalised.
     Raises ClusterError."""
     specs = [parse_straggler(t) for t in texts]
-    for s in specs:
+    for i, s in enumerate(specs):
         if s.rank is not None and s.rank >= workers:
             raise ClusterError(f"straggler {str(s)!r}: rank must be a worker, in [0, {workers})")
+        if s.rank is not None and (first := next((f for f in specs[:i] if f.rank == s.rank), None)):
+            raise ClusterError(f"straggler {str(s)!r}: rank {s.rank} has one already ({str(first)!r}); give each rank one")
     return tuple(str(s) for s in specs)

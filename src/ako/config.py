@@ -217,6 +217,17 @@ def parse_latency(text: str) -> float:
     return seconds
 
 
+def run_config(run_dir, what: str = "resume") -> str:
+    """The path of run directory `run_dir`'s config.toml. Raises ConfigError, naming the
+    setting `what`, when there is no such directory or it holds no config.toml."""
+    if not os.path.isdir(run_dir):
+        raise ConfigError(f"{what} {str(run_dir)!r}: no such directory")
+    path = os.path.join(run_dir, "config.toml")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{what} {str(run_dir)!r}: not a run directory (no config.toml in it)")
+    return path
+
+
 def load_toml(path: str | os.PathLike) -> dict:
     """Read a config file into a dict of TrainConfig fields. Raises ConfigError on unknown keys,
     a missing file or TOML syntax errors."""
