@@ -82,7 +82,12 @@ BAD_INPUT = [
     (["--strategy", "bsp", "--micro-batch", "8"], "micro_batch 8: strategy bsp has no such option (it is for ako, absp)"),
     (["--strategy", "ako", "--micro-batch", "129", "--accumulate", "2"], "micro_batch 129: must be at most a step's samples, batch_size 64 x accumulate 2"),
     (["--strategy", "easgd", "--tau", "0"], "tau '0': must be an integer >= 1"),
-    (["--strategy", "easgd", "--beta", "1.5"], "beta '1.5': must be a number >= 0 and <= 1"),
+    (["--strategy", "easgd", "--beta", "1.5"], "beta '1.5': must be a number > 0 and <= 1"),
+    (["--strategy", "easgd", "--beta", "0"], "beta '0': must be a number > 0 and <= 1"),
+    (["--strategy", "ako", "--gossip", "pull"], "gossip 'pull': strategy ako has no such option (it is for gossip)"),
+    (["--strategy", "allreduce", "--staleness", "1"], "staleness 1: strategy allreduce has no such option (it is for ako, ssp)"),
+    (["--target", "accuracy>=2"], "target 'accuracy>=2': can never be met, as the accuracy is a fraction in [0, 1]"),
+    (["--target", "loss<=-1"], "target 'loss<=-1': can never be met, as the loss is at least 0"),
     (["--strategy", "asp", "--tau", "2"], "tau 2: strategy asp has no such option (it is for gossip, easgd)"),
     (["--straggler", "rank=1"], "straggler 'rank=1': expected rank=R,factor=K or prob=P,factor=K"),
     (["--straggler", "rank=1,prob=0.5,factor=2"], "straggler 'rank=1,prob=0.5,factor=2': expected rank=R,factor=K"),
@@ -177,7 +182,10 @@ def test_flags_override_the_config_file(tmp_path):
     path.write_text('strategy = "ako"\nworkers = 3\nlr = 0.2\nstaleness = 1\nbatch-size = 32\n')
     args = build_parser().parse_args(["train", "--config", str(path), "--workers", "4", "--staleness", "none"])
     config = config_from_args(args)
-    assert (config.strategy, config.workers, config.lr, config.staleness, config.batch_size) == ("ako", 4, 0.2, None, 32)
+    assert (config.strategy, config.workers, config.lr, config.batch_size) == ("ako", 4, 0.2, 32)
+    assert config.staleness == 1  # none: the strategy's default, not the file's 1
+    path.write_text('strategy = "ako"\nstaleness = 3\n')
+    assert config_from_args(build_parser().parse_args(["train", "--config", str(path), "--staleness", "none"])).staleness == 1
 
 
 def test_a_runs_config_file_serves_another_strategy(tmp_path):
@@ -190,9 +198,11 @@ def test_a_runs_config_file_serves_another_strategy(tmp_path):
 
     path = tmp_path / "config.toml"
     path.write_text(to_toml(config_from_args(build_parser().parse_args(["train", "--strategy", "ako", "--batch-size", "32"]))))
-    assert "micro_batch = 8" in path.read_text()
+    assert "micro_batch = 8" in path.read_text() and "staleness = 1" in path.read_text()
     config = config_from_args(build_parser().parse_args(["train", "--config", str(path), "--strategy", "allreduce"]))
-    assert (config.strategy, config.batch_size, config.micro_batch) == ("allreduce", 32, 8)
+    assert (config.strategy, config.batch_size, config.micro_batch, config.staleness) == ("allreduce", 32, 8, 1)
+    path.write_text(path.read_text().replace("staleness = 1", "staleness = 2"))  # ssp's default serves too
+    assert config_from_args(build_parser().parse_args(["train", "--config", str(path), "--strategy", "bsp"])).staleness == 2
     with pytest.raises(ConfigError, match="micro_batch 8: strategy allreduce has no such option"):
         config_from_args(build_parser().parse_args(["train", "--config", str(path), "--strategy", "allreduce", "--batch-size", "64"]))
 
@@ -235,3 +245,15 @@ def test_images_with_no_pixels(tmp_path, out_dir, capsys):
     code, err = run_cli(["--dataset", "fashion-mnist", "--data-dir", str(data)], out_dir, capsys)
     assert code == 2 and err.count("\n") == 1
     assert "every dimension must be at least 1" in err
+
+
+def test_a_target_beyond_the_builtin_evaluation_is_kept_for_a_users_eval_fn():
+    """accuracy>=90 can never be met by the built-in evaluation (a fraction), and is refused
+    there; a user's eval_fn may count accuracy in percent, so with one it stands."""
+    from ako.checks import ConfigError
+    from ako.config import TrainConfig, validate
+
+    with pytest.raises(ConfigError, match="can never be met"):
+        validate(TrainConfig(target="accuracy>=90"))
+    assert validate(TrainConfig(target="accuracy>=90", eval_fn="mine.metrics:percent")).goal.value == 90
+    assert validate(TrainConfig(target="loss<=0")).goal.value == 0  # reachable in principle

@@ -162,11 +162,10 @@ def config_from_args(args: argparse.Namespace, simulated: bool = False) -> Train
         values = load_toml(run_config(args.resume))
     if getattr(args, "config", None) is not None:
         values.update(load_toml(args.config))
-    for name in FIELDS:
-        given = getattr(args, name, None)
-        if given is not None:
-            values[name] = _settings(given) if name == "optimizer_args" else _none(name, given)
-    return validate(TrainConfig(**values), simulated)
+    flags = {name: getattr(args, name) for name in FIELDS if getattr(args, name, None) is not None}
+    for name, given in flags.items():
+        values[name] = _settings(given) if name == "optimizer_args" else _none(name, given)
+    return validate(TrainConfig(**values), simulated, given=frozenset(flags))
 
 
 def _settings(pairs: list[str]) -> dict:

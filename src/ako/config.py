@@ -259,11 +259,13 @@ def option_users() -> dict[str, tuple[str, ...]]:
     return users
 
 
-def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
+def validate(config: TrainConfig, simulated: bool = False, given: frozenset[str] = frozenset()) -> TrainConfig:
     """Check every field's type and range; return the config with values normalised
     (e.g. partitions "3" -> 3). `simulated`: for `ako simulate`, which takes SIMULATE_OPTIONS
-    and a bandwidth (the link rate) for every strategy. Raises ConfigError naming the first
-    bad value."""
+    and a bandwidth (the link rate) for every strategy. A strategy option of another strategy
+    is refused unless it is at a default (a config file of one strategy's run serves another),
+    and refused whatever its value when its name is in `given` (the CLI's flags). Raises
+    ConfigError naming the first bad value."""
     c = dataclasses.replace(config)
     _validate_simulation(c, simulated)
     for field in dataclasses.fields(c):  # no path, name or module may hold one: the OS refuses it
@@ -296,7 +298,7 @@ def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
         if name == "bandwidth" and simulated:
             continue  # the simulator's link rate, for every strategy
         value = getattr(c, name)
-        if c.strategy not in users and not _is_default(name, value, c):
+        if c.strategy not in users and (name in given or not _is_default(name, value, c)):
             typed = isinstance(value, str) and re.fullmatch(r"-?\d+(\.\d+)?", value) is not None  # a number as the CLI passes it
             raise ConfigError(
                 f"{name} {value if typed else show(value)}: strategy {c.strategy} has no such option "
@@ -319,6 +321,8 @@ def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
         if c.target_accuracy is not None:
             raise ConfigError(f"target {show(c.target)}: give target or target_accuracy, not both")
         c.target = str(parse_target(c.target))
+    if c.goal is not None and c.eval_fn is None:
+        _check_reachable(c.goal)
     if c.bandwidth is not None:
         c.bandwidth = str(c.bandwidth)
         parse_bandwidth(c.bandwidth)
@@ -327,6 +331,15 @@ def validate(config: TrainConfig, simulated: bool = False) -> TrainConfig:
         if getattr(c, name) is not None and not isinstance(getattr(c, name), bool):
             raise ConfigError(f"{name} {show(getattr(c, name))}: must be true or false")
     return c
+
+
+def _check_reachable(goal: Target) -> None:
+    """Refuse a target the built-in evaluation can never meet: its accuracy is a fraction in
+    [0, 1] and its loss, a cross-entropy, is at least 0. (A user's eval_fn may use any scale.)"""
+    low, high = {"accuracy": (0.0, 1.0), "loss": (0.0, math.inf)}.get(goal.metric, (-math.inf, math.inf))
+    if (goal.op == ">=" and goal.value > high) or (goal.op == "<=" and goal.value < low):
+        scale = "a fraction in [0, 1]" if goal.metric == "accuracy" else "at least 0"
+        raise ConfigError(f"target {str(goal)!r}: can never be met, as the {goal.metric} is {scale}")
 
 
 def _validate_training(c: TrainConfig) -> None:
@@ -377,9 +390,10 @@ def _is_default(name: str, value, c: TrainConfig) -> bool:
         return True
     for option in (o for s in REGISTRY.values() for o in s.options if o.name == name):
         try:
-            if value == (option.default(c) if callable(option.default) else option.default):
+            given = value if option.check is None else option.check(value, c)  # "2" from the CLI is 2
+            if given == (option.default(c) if callable(option.default) else option.default):
                 return True
-        except (TypeError, ValueError):  # the config's other fields are checked later
+        except (TypeError, ValueError, ConfigError):  # not this option's value; the config's other fields are checked later
             pass
     return False
 
