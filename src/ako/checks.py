@@ -74,15 +74,14 @@ class Integer:
 
 @dataclass(frozen=True)
 class Number:
-    """An option's check: a finite number in [low, high] (`low_open`: in (low, high])."""
+    """An option's check: a finite number in [low, high]."""
 
     name: str
     low: float
     high: float
-    low_open: bool = False
 
     def __call__(self, value, config=None):
-        return number(self.name, value, self.low, self.high, low_open=self.low_open)
+        return number(self.name, value, self.low, self.high)
 
 
 def misfit(what: str, error: Exception) -> ConfigError:

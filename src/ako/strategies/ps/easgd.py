@@ -119,7 +119,7 @@ STRATEGY = Strategy(
         SERVERS,
         Option(name="tau", help="steps between elastic averaging rounds, or auto (its servers' links allow; the default)",
                default="auto", check=Integer("tau", 1, TAU_MAX, auto=True)),
-        Option(name="beta", help="moving rate beta; elastic alpha = beta / workers", check=Number("beta", 0.0, 1.0, low_open=True)),  # 0: no elastic force, the workers never meet
+        Option(name="beta", help="moving rate beta; elastic alpha = beta / workers", check=Number("beta", 0.0, 1.0)),
         Option(name="bandwidth", help="link budget of tau = auto, e.g. 1Gbit or 100MB (default: measured)"),
     ),
     check=check,
