@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_and_kill, wait_for_checkpoint
+from helpers import find_process, run_and_kill, wait_for_checkpoint
 
 import ako
 from ako.config import PARAMETER_SERVER, STRATEGIES, TrainConfig, load_toml
@@ -203,3 +203,36 @@ def test_a_failed_run_without_checkpoints_keeps_its_metrics(tmp_path, strategy):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) >= 2 and all(0 <= r["test_accuracy"] <= 1 for r in records)
     assert [r["epoch"] for r in records] == sorted(r["epoch"] for r in records) and records[-1]["time"] > 0
+
+
+@pytest.mark.parametrize("strategy", ["ako", "allreduce"])
+def test_ctrl_c_keeps_the_metrics_so_far_and_ends_every_process(tmp_path, strategy):
+    """Ctrl-C (SIGINT to the launcher) mid-run: rank 0 logs the snapshots it has taken, then
+    every process ends: exit status 130, one line, no process left."""
+    import subprocess
+
+    out_dir = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "ako", "train", "--strategy", strategy, "--workers", "2", "--dataset", "digits",
+           "--batch-size", "16", "--epochs", "400", "--eval-every", "0.5", "--out-dir", str(out_dir), "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        ranks = [find_process(f"ako-rank{rank}", proc.pid, deadline) for rank in range(2)]
+        while time.monotonic() < deadline and not list(out_dir.glob("*/config.toml")):
+            time.sleep(0.05)
+        time.sleep(3.0)  # a few evaluation points (every 23 steps) in
+        proc.send_signal(signal.SIGINT)
+        interrupted = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        ended = time.monotonic() - interrupted
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130 and err == "ako: interrupted\n", err
+    assert ended < 10, f"{ended:.1f} s from Ctrl-C to the end"
+    (run_dir,) = out_dir.glob("*")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) >= 2 and all(0 <= r["test_accuracy"] <= 1 for r in records)
+    assert [r["epoch"] for r in records] == sorted(r["epoch"] for r in records)
+    assert not (run_dir / "summary.json").exists()  # the run did not finish
+    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks), "a worker process is left"

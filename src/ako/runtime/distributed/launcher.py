@@ -134,7 +134,8 @@ def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable
 
     The launcher hosts the job's TCPStore and watches its processes: when one fails, the others
     are killed and WorkerFailed names the rank, unless the rank
-    is in `survivable`; `role(rank)` names the process in messages. Ctrl-C or SIGTERM stops them all and raises
+    is in `survivable`; `role(rank)` names the process in messages. Ctrl-C or SIGTERM stops them
+    all, rank 0 after it has logged the metrics it has (up to `_GRACE` s), and raises
     KeyboardInterrupt. `timeout` bounds start-up (seconds)."""
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
     env = {
@@ -152,6 +153,9 @@ def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable
             for rank in range(processes):
                 group.start(context, fn, args, rank, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
             return group.watch(set(survivable), role, timeout)
+        except KeyboardInterrupt:  # rank 0 logs the metrics it has first (a second Ctrl-C stops it at once)
+            group._wind_up({rank for rank, proc in group.procs.items() if proc.exitcode is None})
+            raise
         finally:
             group.stop()
             del store
@@ -229,8 +233,8 @@ class _Group:
         return min(since, now)
 
     def _wind_up(self, running: set[int]) -> None:
-        """The job failed: give rank 0, if still training, up to `_GRACE` s to log the metrics
-        it has. It is told (`END`, which raises JobEnded in it), and let run first if it is
+        """The job failed or was interrupted: give rank 0, if still training, up to `_GRACE` s
+        to log the metrics it has. It is told (`END`, which raises JobEnded in it), and let run first if it is
         stopped: under a strategy that goes on without a dead worker as far as rank 0 can tell
         (ssp's server drops it), it would not meet the failure itself."""
         if 0 not in running or 0 in self.results or 0 in self.failures:
@@ -279,7 +283,7 @@ def _child(fn, args, env: dict, pipe) -> None:
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(END, signal.SIG_IGN)  # until training begins (`process._endable`)
+    signal.signal(END, _end_now)  # while training it has rank 0 log its metrics first (`process._endable`)
     os.environ.update(env)
     global _RESULTS
     _RESULTS = pipe
@@ -287,6 +291,11 @@ def _child(fn, args, env: dict, pipe) -> None:
     pipe.send(result)
     pipe.close()
     _exit_now(0)  # no teardown: see `_exit_now`
+
+
+def _end_now(signum, frame):
+    """`END` outside training: the launcher is ending the job, and there is nothing to log."""
+    _exit_now(1)
 
 
 def _raise_interrupt(signum, frame):

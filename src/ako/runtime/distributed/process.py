@@ -249,22 +249,22 @@ END = signal.SIGUSR1  # from the launcher: the job failed elsewhere (JobEnded)
 
 @contextmanager
 def _endable():
-    """While training: `END` raises JobEnded here (in the main thread). Outside, it has its
-    previous meaning (the launcher's processes ignore it): a rank already failing, or
-    finished, goes on as it is."""
+    """While training: `END` raises JobEnded here (in the main thread). Afterwards it is
+    ignored: a rank already failing, or finished, logs its metrics in the launcher's grace
+    time. (Before, the launcher's processes exit at once on it: nothing to log yet.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def end(signum, frame):
         signal.signal(END, signal.SIG_IGN)  # once
-        raise JobEnded("the job was ended after another rank failed")
+        raise JobEnded("the launcher ended the job (another rank failed, or Ctrl-C)")
 
-    previous = signal.signal(END, end)
+    signal.signal(END, end)
     try:
         yield
     finally:
-        signal.signal(END, previous)
+        signal.signal(END, signal.SIG_IGN)
 
 
 class StartupFailed(RuntimeError):
