@@ -7,6 +7,7 @@ import json
 import os
 import re
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -426,3 +427,12 @@ def test_a_cell_process_that_died_between_cells_is_replaced(tmp_path):
         assert "data set" in (tmp_path / "b.txt").read_text()
     finally:
         cells.close()
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "experiments").glob("*.toml")), ids=lambda p: p.name)
+def test_every_sweep_file_in_experiments_loads(path):
+    """The shipped sweep files parse and every cell's settings validate (`load_sweep` checks
+    them all), so none fails only once a user runs it."""
+    sweep = load_sweep(path)
+    cells = sweep.cells()
+    assert cells and len({cell.name for cell in cells}) == len(cells)
