@@ -405,3 +405,30 @@ def test_the_progress_bar_counts_every_worker_s_steps_in_virtual_time(tmp_path, 
     result = simulate(tmp_path, strategy="asp", servers=1, straggler=("rank=1,factor=3",), progress=True, **COSTS)
     bar = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
     assert "12/12" in bar and f"virtual={result.summary['simulation']['virtual_seconds']:.3g} s" in bar and "virtual/real=" in bar
+
+
+@pytest.mark.parametrize("strategy", ["ako", "allreduce"])
+def test_a_failed_simulation_keeps_its_metrics_so_far(tmp_path, strategy):
+    """The user's loss fails at its 40th call (4 workers, 6 steps an epoch, an evaluation
+    point every 2 steps; without a target rank 0 evaluates them after training): the error
+    reaches the caller, and metrics.jsonl holds the evaluation points before it, as a failed
+    distributed run keeps them (Ctrl-C takes the same way)."""
+    import torch.nn.functional as F
+
+    calls = 0
+
+    def loss(model, batch):
+        nonlocal calls
+        calls += 1
+        if calls == 40:
+            raise ValueError("the loss broke")
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+
+    config = small_config(tmp_path, strategy=strategy, workers=4, epochs=20, eval_every=1 / 3)
+    with pytest.raises(ValueError, match="the loss broke"):
+        ako.simulate(config, loss_fn=loss)
+    (run_dir,) = (tmp_path / "runs").glob("*")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in records] == [round(k / 3, 4) for k in range(len(records))] and len(records) >= 3
+    assert not (run_dir / "summary.json").exists()
