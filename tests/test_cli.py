@@ -181,29 +181,40 @@ def test_flags_override_the_config_file(tmp_path):
     path.write_text('strategy = "ako"\nworkers = 3\nlr = 0.2\nstaleness = 1\nbatch-size = 32\n')
     args = build_parser().parse_args(["train", "--config", str(path), "--workers", "4", "--staleness", "none"])
     config = config_from_args(args)
-    assert (config.strategy, config.workers, config.lr, config.batch_size) == ("ako", 4, 0.2, 32)
-    assert config.staleness == 1  # none: the strategy's default, not the file's 1
-    path.write_text('strategy = "ako"\nstaleness = 3\n')
-    assert config_from_args(build_parser().parse_args(["train", "--config", str(path), "--staleness", "none"])).staleness == 1
+    assert (config.strategy, config.workers, config.lr, config.staleness, config.batch_size) == ("ako", 4, 0.2, None, 32)
 
 
 def test_a_runs_config_file_serves_another_strategy(tmp_path):
-    """A run's config.toml records its options resolved (ako: micro_batch = batch_size // 4);
-    given to a strategy without that option it is taken as the default it is, while a value
-    someone chose is still refused."""
+    """A run's config.toml records its strategy's options resolved (ako: micro_batch =
+    batch_size // 4; ssp: servers = 1, staleness = 2); with another --strategy they are not
+    that run's: its own defaults apply, and no server is started for a strategy without one.
+    In a file without a strategy of its own, an option of another strategy is taken at a
+    default (and dropped), and refused at a value someone chose; as a flag, always refused."""
     from ako.checks import ConfigError
     from ako.cli import build_parser, config_from_args
     from ako.config import to_toml
 
+    def config(*flags):
+        return config_from_args(build_parser().parse_args(["train", *flags]))
+
     path = tmp_path / "config.toml"
-    path.write_text(to_toml(config_from_args(build_parser().parse_args(["train", "--strategy", "ako", "--batch-size", "32"]))))
-    assert "micro_batch = 8" in path.read_text() and "staleness = 1" in path.read_text()
-    config = config_from_args(build_parser().parse_args(["train", "--config", str(path), "--strategy", "allreduce"]))
-    assert (config.strategy, config.batch_size, config.micro_batch, config.staleness) == ("allreduce", 32, 8, 1)
-    path.write_text(path.read_text().replace("staleness = 1", "staleness = 2"))  # ssp's default serves too
-    assert config_from_args(build_parser().parse_args(["train", "--config", str(path), "--strategy", "bsp"])).staleness == 2
+    path.write_text(to_toml(config("--strategy", "ako", "--batch-size", "32")))
+    assert "micro_batch = 8" in path.read_text() and "staleness" not in path.read_text()  # ssp would take it
+    c = config("--config", str(path), "--strategy", "allreduce")
+    assert (c.strategy, c.batch_size, c.micro_batch) == ("allreduce", 32, None)
+    assert config("--config", str(path), "--strategy", "absp", "--batch-size", "64").micro_batch == 16  # its own default
+    assert config("--config", str(path), "--strategy", "ssp").staleness == 2
+    path.write_text(to_toml(config("--strategy", "ssp")))
+    assert "servers = 1" in path.read_text() and "staleness = 2" in path.read_text()
+    c = config("--config", str(path), "--strategy", "ako")
+    assert (c.servers, c.staleness) == (None, None)  # no server started for ako, and its own bound
+    path.write_text("batch_size = 32\nmicro_batch = 8\nservers = 1\n")  # no strategy: ako's by default
+    c = config("--config", str(path))
+    assert (c.strategy, c.micro_batch, c.servers) == ("ako", 8, None)
     with pytest.raises(ConfigError, match="micro_batch 8: strategy allreduce has no such option"):
-        config_from_args(build_parser().parse_args(["train", "--config", str(path), "--strategy", "allreduce", "--batch-size", "64"]))
+        config("--config", str(path), "--strategy", "allreduce", "--batch-size", "64")
+    with pytest.raises(ConfigError, match="servers 1: strategy ako has no such option"):
+        config("--config", str(path), "--servers", "1")
 
 
 def test_exit_status_2_from_the_console_script(tmp_path):

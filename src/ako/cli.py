@@ -10,7 +10,7 @@ import signal
 import sys
 import tomllib
 
-from ako.config import FIELDS, STRATEGIES, ConfigError, TrainConfig, load_toml, run_config, validate
+from ako.config import FIELDS, STRATEGIES, ConfigError, TrainConfig, load_toml, option_users, run_config, validate
 from ako.optim import OPTIMIZERS, SCHEDULES
 from ako.strategies import STRATEGIES as REGISTRY
 
@@ -157,13 +157,18 @@ def _positive(text: str) -> int:
 
 def config_from_args(args: argparse.Namespace, simulated: bool = False) -> TrainConfig:
     """defaults < --resume's config.toml < --config file < flags; validated (for `ako simulate`
-    when `simulated`)."""
+    when `simulated`). A `--strategy` other than the file's drops the file's strategy options
+    (a run's config.toml records ssp's staleness = 2 and servers = 1: not settings for ako)."""
     values = {}
     if getattr(args, "resume", None) is not None:
         values = load_toml(run_config(args.resume))
     if getattr(args, "config", None) is not None:
         values.update(load_toml(args.config))
     flags = {name: getattr(args, name) for name in FIELDS if getattr(args, name, None) is not None}
+    if "strategy" in values and flags.get("strategy", values["strategy"]) != values["strategy"]:  # the file's options go with its strategy
+        for name in option_users():
+            if not (name == "bandwidth" and simulated):  # the simulator's link rate, for every strategy
+                values.pop(name, None)
     for name, given in flags.items():
         values[name] = _settings(given) if name == "optimizer_args" else _none(name, given)
     return validate(TrainConfig(**values), simulated, given=frozenset(flags))

@@ -298,12 +298,15 @@ def validate(config: TrainConfig, simulated: bool = False, given: frozenset[str]
         if name == "bandwidth" and simulated:
             continue  # the simulator's link rate, for every strategy
         value = getattr(c, name)
-        if c.strategy not in users and (name in given or not _is_default(name, value, c)):
+        if c.strategy in users:
+            continue
+        if name in given or not _is_default(name, value, c):
             typed = isinstance(value, str) and re.fullmatch(r"-?\d+(\.\d+)?", value) is not None  # a number as the CLI passes it
             raise ConfigError(
                 f"{name} {value if typed else show(value)}: strategy {c.strategy} has no such option "
                 f"(it is for {', '.join(users)})"
             )
+        setattr(c, name, FIELDS[name].default)  # another strategy's default: not this run's (servers = 1 started a server)
     c.workers = integer("workers", c.workers, low=1, high=4096)
     c.batch_size = integer("batch_size", c.batch_size, low=1)
     c.seed = integer("seed", c.seed, low=0, high=2**63 - 1)

@@ -85,7 +85,7 @@ def worker(ctx):
     rank 0 its replica before the flush (`unflushed`, (numel,)), so the run can hand back the
     better of the two models."""
     exchange, p, reason = yield from choose_plan(ctx)
-    s = ctx.config.staleness
+    s = DEFAULT_STALENESS if ctx.config.staleness is None else ctx.config.staleness
     parts = partition_bounds(ctx.replica.numel, p, ctx.replica.boundaries)
     run = _ring if exchange == "ring" else _all_to_all
     steps, unflushed = yield from run(ctx, parts, s)
@@ -454,8 +454,8 @@ STRATEGY = Strategy(
                check=Integer("partitions", 1, auto=True)),
         Option(name="exchange", help="all-to-all (every peer gets each window), ring (an all-reduce of each window), "
                "or auto (ring from 8 workers on, or where all-to-all would not fit the link)", choices=EXCHANGES),
-        Option(name="staleness", help="staleness bound s (0 = lock-step; default 1)", default=DEFAULT_STALENESS,
-               check=Integer("staleness", 0, 1000)),
+        # no default here (None is DEFAULT_STALENESS): config.toml would record it, and ssp would take it from there
+        Option(name="staleness", help="staleness bound s (0 = lock-step; default 1)", check=Integer("staleness", 0, 1000)),
         Option(name="micro_batch", help="samples per micro-batch of a straggler's partial steps "
                "(default batch-size / 4; a step's samples, batch-size x accumulate, turn them off)",
                default=default_micro_batch, check=check_micro_batch),
