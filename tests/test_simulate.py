@@ -432,3 +432,29 @@ def test_a_failed_simulation_keeps_its_metrics_so_far(tmp_path, strategy):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [round(k / 3, 4) for k in range(len(records))] and len(records) >= 3
     assert not (run_dir / "summary.json").exists()
+
+
+BAD_PROFILES = [
+    ("seconds_per_sample = inf", "needs seconds_per_sample, a number >= 0 and <= 1000, not inf"),
+    ("seconds_per_sample = nan", "needs seconds_per_sample, a number >= 0 and <= 1000, not nan"),
+    ("seconds_per_sample = 1e300", "needs seconds_per_sample, a number >= 0 and <= 1000, not 1e+300"),
+    ("seconds_per_sample = 1e-3\nshared_seconds_per_sample = [inf, inf]", "shared_seconds_per_sample must be a list of numbers > 0"),
+    ("seconds_per_sample = 1e-3\nshared_seconds_per_sample = [0.0, 0.0]", "shared_seconds_per_sample must be a list of numbers > 0"),
+    ("seconds_per_sample = 1e-3\ngradient_ready = [nan, 1.0]", "gradient_ready must be a list of fractions from 0 to 1"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD_PROFILES, ids=[t for t, _ in BAD_PROFILES])
+def test_a_profile_out_of_range_is_one_line_and_runs_nothing(tmp_path, capsys, text, message):
+    """A profile's figures are checked as the flags are: an infinite compute time ran forever
+    on a shared host, or ended in a traceback; zero shared seconds divided by zero."""
+    from ako.cli import main
+
+    profile = tmp_path / "p.toml"
+    profile.write_text(f"model = 'cnn'\nbatch_size = 16\n{text}\n")
+    out = tmp_path / "runs"
+    code = main(["simulate", "--dataset", "digits", "--workers", "3", "--batch-size", "16", "--profile", str(profile),
+                 "--out-dir", str(out)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+    assert not any(out.iterdir())  # no run directory (the --out-dir itself is made before the data loads)

@@ -28,6 +28,7 @@ STRATEGIES = tuple(REGISTRY)
 PARAMETER_SERVER = tuple(name for name, s in REGISTRY.items() if s.server is not None)
 # settings only the simulated runtime takes (`ako train` rejects them)
 SIMULATE_OPTIONS = ("latency", "seconds_per_sample", "profile")
+SECONDS_PER_SAMPLE_MAX = 1e3  # a simulated worker's compute cost: at most this many seconds a sample
 TRAIN_OPTIONS = ("checkpoint_every", "resume")  # `ako train` only: the simulator does not fail
 BACKENDS = ("auto", "gloo", "nccl")
 MAX_LATENCY = 60.0  # seconds a message may take to arrive: more is no link
@@ -435,7 +436,7 @@ def _validate_simulation(c: TrainConfig, simulated: bool) -> None:
         c.latency = str(c.latency)
         parse_latency(c.latency)
     if c.seconds_per_sample is not None:
-        c.seconds_per_sample = number("seconds_per_sample", c.seconds_per_sample, low=0.0, high=1e3)
+        c.seconds_per_sample = number("seconds_per_sample", c.seconds_per_sample, low=0.0, high=SECONDS_PER_SAMPLE_MAX)
     if c.profile is not None and not isinstance(c.profile, str):
         raise ConfigError(f"profile {show(c.profile)}: must be a file path")
 

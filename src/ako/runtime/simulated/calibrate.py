@@ -32,7 +32,7 @@ from pathlib import Path
 import tomli_w
 import torch
 
-from ako.config import ConfigError, TrainConfig
+from ako.config import SECONDS_PER_SAMPLE_MAX, ConfigError, TrainConfig
 from ako.data import fetch, to_device
 from ako.metrics import write_atomic
 from ako.run.job import Job
@@ -156,13 +156,15 @@ def load_profile(path: str, config: TrainConfig, dataset: str | None = None) -> 
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"profile {path!r}: cannot read it ({e})") from None
     sps = profile.get("seconds_per_sample")
-    if not _time(sps):
-        raise ConfigError(f"profile {path!r}: needs seconds_per_sample, a number >= 0")
+    if not _number(sps, 0, SECONDS_PER_SAMPLE_MAX):
+        raise ConfigError(f"profile {path!r}: needs seconds_per_sample, a number >= 0 and <= {SECONDS_PER_SAMPLE_MAX:g}, "
+                          f"not {sps!r:.40}")  # fmt: skip
     shared = profile.get("shared_seconds_per_sample", [])
-    if not isinstance(shared, list) or not all(_time(t) for t in shared):
-        raise ConfigError(f"profile {path!r}: shared_seconds_per_sample must be a list of numbers >= 0")
+    if not isinstance(shared, list) or not all(_number(t, 0, SECONDS_PER_SAMPLE_MAX) and t > 0 for t in shared):
+        raise ConfigError(f"profile {path!r}: shared_seconds_per_sample must be a list of numbers > 0 and "
+                          f"<= {SECONDS_PER_SAMPLE_MAX:g}, not {shared!r:.60}")  # fmt: skip
     ready = profile.get("gradient_ready", [])
-    if not isinstance(ready, list) or not all(_time(f) and f <= 1 for f in ready):
+    if not isinstance(ready, list) or not all(_number(f, 0, 1) for f in ready):
         raise ConfigError(f"profile {path!r}: gradient_ready must be a list of fractions from 0 to 1")
     wanted = {"model": config.model, "batch_size": config.batch_size, "dataset": dataset or config.dataset}
     for key, value in wanted.items():
@@ -174,5 +176,5 @@ def load_profile(path: str, config: TrainConfig, dataset: str | None = None) -> 
     return profile
 
 
-def _time(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and value >= 0
+def _number(value, low: float, high: float) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and low <= value <= high  # NaN fails too
