@@ -75,6 +75,8 @@ BAD_INPUT = [
     (["--strategy", "allreduce", "--servers", "2"], "servers 2: strategy allreduce has no such option (it is for bsp, asp"),
     (["--strategy", "bsp", "--servers", "0"], "servers '0': must be an integer >= 1 and <= 1024"),
     (["--strategy", "bsp", "--servers", "30000"], "servers '30000': must be an integer >= 1 and <= 1024"),
+    (["--strategy", "bsp", "--workers", "2", "--servers", "1024"],
+     "workers 2 + servers 1024: 1026 processes of about"),  # more than this machine's memory: it swapped, then hung
     (["--strategy", "bsp", "--staleness", "1"], "staleness 1: strategy bsp has no such option (it is for ako, ssp)"),
     (["--strategy", "ssp", "--staleness", "-1"], "staleness '-1': must be an integer >= 0"),
     (["--strategy", "absp", "--micro-batch", "0"], "micro_batch '0': must be an integer >= 1"),

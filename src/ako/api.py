@@ -91,7 +91,8 @@ def train(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set: Da
         config = replace(config, workers=workers_of(config))
     job = Job(validate(config), strategy, model_fn, train_set, test_set, loss_fn, eval_fn, optimizer_fn,
               scheduler_fn, collate_fn)  # fmt: skip
-    _, replica = job.check()  # bad input fails here, before any process waits for another
+    local = 1 if under_elastic_agent() else job.config.workers + (job.config.servers or 0)
+    _, replica = job.check(processes=local)  # bad input fails here, before any process waits for another
     if under_elastic_agent():
         result = run_rank(job)
         return RunResult(result.summary, [result])

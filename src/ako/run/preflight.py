@@ -17,9 +17,10 @@ from ako.replica import Replica
 from ako.run.imports import first_line
 
 
-def check(job) -> tuple:
-    """Load `job`'s data, build its model and replica, and try them (`Job.check`): returns
-    (data, the replica tried: its `numel` and `buffer_layout` are the model's)."""
+def check(job, processes: int = 1) -> tuple:
+    """Load `job`'s data, build its model and replica, and try them (`Job.check`), and that
+    `processes` processes started here fit in memory (`check_memory`): returns (data, the
+    replica tried: its `numel` and `buffer_layout` are the model's)."""
     data = job.load_data()
     model = job.build_model(data)
     try:
@@ -33,8 +34,32 @@ def check(job) -> tuple:
     _try_optimizer(job, data)
     if job.config.tensorboard:
         _check_tensorboard()
+    if processes > 1:
+        servers = processes - job.config.workers
+        check_memory(processes, f"workers {job.config.workers}" + (f" + servers {servers}" if servers else ""))
     check_out_dir(job.config.out_dir)
     return data, replica
+
+
+def check_memory(processes: int, what: str) -> None:
+    """Raise ConfigError when `processes` local processes (`what`: "workers 2 + servers 100")
+    would not fit in the memory available here (Linux; elsewhere nothing is checked). Each is
+    taken to be the size of this process now, which has imported torch and loaded the data and
+    the model as each of them will (about 260 MiB with digits, 510 MiB with Fashion-MNIST).
+    Past that the machine swaps or kills, and the start-up waits cannot tell a slow start from
+    a dead one."""
+    try:
+        available = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+                         if line.startswith("MemAvailable:"))  # fmt: skip
+        each = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # resident
+    except (OSError, StopIteration, ValueError, IndexError):
+        return
+    if processes * each > available:
+        raise ConfigError(
+            f"{what}: {processes} processes of about {each / 2**20:.0f} MiB each (torch, the data and the model) need "
+            f"{processes * each / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of memory available here; "
+            "start fewer, or simulate the cluster with ako simulate, or spread it over machines with torchrun"
+        )
 
 
 def _optimizer_what(job) -> str:
