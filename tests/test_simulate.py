@@ -458,3 +458,15 @@ def test_a_profile_out_of_range_is_one_line_and_runs_nothing(tmp_path, capsys, t
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err, err
     assert not any(out.iterdir())  # no run directory (the --out-dir itself is made before the data loads)
+
+
+def test_the_summary_names_the_injected_stragglers(tmp_path):
+    """The stragglers given are in the summary and its printed lines, for a simulated run as
+    for a real one (`final_summary` writes both), and absent without any."""
+    from ako.metrics import format_summary
+
+    slowed = simulate(tmp_path, strategy="allreduce", straggler=("rank=1,factor=3", "prob=0.5,factor=2"), **COSTS)
+    assert slowed.summary["stragglers"] == ["rank=1,factor=3", "prob=0.5,factor=2"]
+    assert "  stragglers       rank=1,factor=3; prob=0.5,factor=2 (injected: " in format_summary(slowed.summary)
+    plain = simulate(tmp_path, strategy="allreduce", **COSTS)
+    assert plain.summary["stragglers"] == [] and "stragglers" not in format_summary(plain.summary)

@@ -125,6 +125,8 @@ def format_summary(s: dict) -> str:
     ]
     if data := _data_line(s):
         lines.append(data)
+    if s.get("stragglers"):
+        lines.append(f"  stragglers       {'; '.join(s['stragglers'])} (injected: a slowed step takes factor x its compute time)")
     for server in s.get("per_server", []):
         lines.append(
             f"  server rank {server['rank']:<4} in {server['bytes_in_per_second'] / 1e6:.2f} MB/{sec}, "

@@ -129,6 +129,7 @@ workers lost before it, which began again as copies of rank 0's part.
     summary.update(data_use(job, data))
     summary["lost_ranks"] = [loss["rank"] for loss in lost]
     summary["lost"] = lost
+    summary["stragglers"] = list(job.config.straggler)  # as given: "rank=3,factor=4"
     summary["resumed_from_step"] = resumed
     summary["resumed_as_rank_0"] = list(restarted)
     summary["run_dir"] = str(run_dir)

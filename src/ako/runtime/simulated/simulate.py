@@ -73,7 +73,6 @@ def simulate_job(job: Job, costs: Costs, data: Data | None = None) -> tuple[dict
         runtime.gradients.close()
         torch.set_num_threads(threads)
     summary["simulation"] = _simulation_facts(runtime, costs, reports, end, time.perf_counter() - started, finishing)
-    summary["simulation"]["stragglers"] = list(job.config.straggler)  # as given: "rank=3,factor=4"
     publish(run_dir, summary, format_simulation(summary))
     workers = [WorkerResult(r, replicas[r].params.clone(), runtime.nodes[r].facts) for r in range(n)]
     workers[0].summary, workers[0].model = summary, model
@@ -154,8 +153,7 @@ def format_simulation(summary: dict) -> str:
         f"  simulated        {duration(s['virtual_seconds'])} virtual s in {s['real_seconds']:.1f} real s "
         f"({s['forward_backward_seconds']:.1f} s forward/backward, {s['evaluation_seconds']:.1f} s evaluating, "
         f"{s['not_forward_backward_share']:.0%} not forward/backward)",
-        f"  cost model       {_compute(s)}, links {bandwidth}, latency {s['latency_seconds'] * 1e6:g} us"
-        + "".join(f"; straggler {text}" for text in s.get("stragglers", ())),
+        f"  cost model       {_compute(s)}, links {bandwidth}, latency {s['latency_seconds'] * 1e6:g} us",
         "  worker time      virtual s of " + "; ".join(f"{what} {per_worker(summary, f'{what}_seconds', duration)}"
                                                      for what in ("compute", "idle", "communication")),
     ] + [
