@@ -258,6 +258,9 @@ def test_own_model_and_dataset_by_name_from_the_cli_and_on_resume(tmp_path):
     assert misfit.returncode == 2 and misfit.stderr.count("\n") == 1, misfit.stderr  # before any worker starts
     assert "rank1.pt': written by another model (buffer 1.running_mean is torch.float32 (3,), the model's torch.float32 (" in misfit.stderr
     file.write_bytes(kept)
+    short = _ako("train", "--resume", str(run_dir), "--epochs", "0.1")  # the checkpoint is further on than that
+    assert short.returncode == 2 and short.stderr.count("\n") == 1, short.stderr
+    assert f"its checkpoint is at step {point} (" in short.stderr and "--epochs 0.1 plans 1 in all" in short.stderr, short.stderr
     whole = torch.load(run_dir / "model.pt")
     resumed = _ako("train", "--resume", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr

@@ -92,14 +92,15 @@ def train(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set: Da
     job = Job(validate(config), strategy, model_fn, train_set, test_set, loss_fn, eval_fn, optimizer_fn,
               scheduler_fn, collate_fn)  # fmt: skip
     local = 1 if under_elastic_agent() else job.config.workers + (job.config.servers or 0)
-    _, replica = job.check(processes=local)  # bad input fails here, before any process waits for another
+    data, replica = job.check(processes=local)  # bad input fails here, before any process waits for another
     if under_elastic_agent():
         result = run_rank(job)
         return RunResult(result.summary, [result])
     _check_picklable(job)
     if job.config.resume is not None:
         checkpoint.check_unfinished(job.config)
-        checkpoint.find(job.config.resume, job.identity(replica.numel), job.config.workers, buffers=replica.buffer_layout())
+        point = checkpoint.find(job.config.resume, job.identity(replica.numel), job.config.workers, buffers=replica.buffer_layout())
+        checkpoint.check_ahead(job.config, point, len(data.train))
     results = launch(job, job.config.workers + (job.config.servers or 0))
     workers = [results[r] for r in sorted(results) if r < job.config.workers]
     return RunResult(results[0].summary, workers)

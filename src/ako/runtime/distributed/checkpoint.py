@@ -283,6 +283,18 @@ def check_unfinished(config) -> None:
                               "give a larger --epochs (or --max-time) to train it further")  # fmt: skip
 
 
+def check_ahead(config, point: int, train_samples: int) -> None:
+    """Raise CheckpointError when the checkpoint at step `point` that `config.resume` resumes
+    from is already at or past the steps `config.epochs` plans (with `train_samples` samples
+    split among `config.workers`, as `DataCursor` counts them): the resumed run would take one
+    step and report the checkpoint's epochs against the config's."""
+    per_epoch = max(1, train_samples // config.workers // config.step_samples)
+    planned = max(1, round(config.epochs * per_epoch))
+    if point >= planned:
+        raise CheckpointError(f"resume {str(config.resume)!r}: its checkpoint is at step {point} ({point / per_epoch:.4g} "
+                              f"epochs), and --epochs {config.epochs:g} plans {planned} in all; give more epochs to train it further")  # fmt: skip
+
+
 def find(run_dir: str | os.PathLike, expected: dict, workers: int, say: bool = False, buffers: dict | None = None) -> int:
     """The step of `run_dir`'s latest complete, intact checkpoint (complete for the world size
     it was written by), after checking that every rank's file reads, is whole and fits
