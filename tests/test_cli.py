@@ -105,6 +105,7 @@ BAD_INPUT = [
      "straggler 'rank=1,factor=2': rank 1 has one already ('rank=1,factor=4'); give each rank one"),
     (["--out-dir", "runs\x00"], "out_dir 'runs\\x00': contains a NUL character"),
     (["--data-dir", "/tmp"], "data_dir '/tmp': digits is bundled with scikit-learn and reads no files"),
+    (["--data-dir", ""], "data_dir '': must be a directory path"),
 ]
 
 

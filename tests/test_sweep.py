@@ -224,6 +224,14 @@ def test_bad_sweep_and_report_arguments(tmp_path, capsys):
     (tmp_path / "sweep.toml").write_text(TINY)
     assert main(["report", str(tmp_path)]) == 2
     assert "no finished cell yet" in capsys.readouterr().err
+    (tmp_path / "empty.toml").write_text("# nothing yet\n")
+    assert main(["sweep", str(tmp_path / "empty.toml")]) == 2  # it ran a default cell of 2 epochs
+    assert "empty.toml': empty; give its cells: [base], [grid] and [[arm]]" in capsys.readouterr().err
+    for args in (["sweep", ""], ["sweep", str(tmp_path / "t.toml"), "--out", ""], ["report", ""], ["report", str(tmp_path), "--out", ""],
+                 ["calibrate", "--dataset", "digits", "--out", ""]):  # '' was read as the current directory
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.endswith(": must be a path, not ''\n"), (args, err)
 
 
 def test_a_cell_with_bad_input_stops_the_sweep(tmp_path, capsys):

@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrate", help="measure compute seconds per sample here and write a cluster profile"
     )
     _add_flags(calibrate, {k: _FLAGS[k] for k in ("model", "dataset", "data_dir", "batch_size")})
-    calibrate.add_argument("--out", metavar="FILE", help="where to write the profile (default: <model>-profile.toml)")
+    calibrate.add_argument("--out", metavar="FILE", type=_path, help="where to write the profile (default: <model>-profile.toml)")
     calibrate.add_argument(
         "--processes", type=int, default=1, metavar="N",
         help="also time 2..N processes computing at once: profile this machine as a cluster of N workers sharing its cores",
@@ -138,15 +138,22 @@ def build_parser() -> argparse.ArgumentParser:
         "sweep", help="run an experiment grid from a sweep file (resumable)",
         description="Run every cell of a sweep file's grid (arms x axes x seeds); finished cells are not run again.",
     )  # fmt: skip
-    sweep.add_argument("file", metavar="SWEEP.toml", help="the sweep file, e.g. experiments/absp-stragglers.toml")
-    sweep.add_argument("--out", metavar="DIR", help="the sweep directory (default: sweeps/<name>)")
+    sweep.add_argument("file", metavar="SWEEP.toml", type=_path, help="the sweep file, e.g. experiments/absp-stragglers.toml")
+    sweep.add_argument("--out", metavar="DIR", type=_path, help="the sweep directory (default: sweeps/<name>)")
     sweep.add_argument("--jobs", type=_positive, default=1, metavar="N", help="cells run at once, one core each (default 1)")
     sweep.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: only on a terminal)")
     report = commands.add_parser("report", help="plots and a Markdown table from a sweep directory")
-    report.add_argument("sweep_dir", metavar="SWEEP_DIR", help="a directory written by ako sweep")
-    report.add_argument("--out", metavar="DIR", help="where to write report.md and the plots (default: SWEEP_DIR/report)")
+    report.add_argument("sweep_dir", metavar="SWEEP_DIR", type=_path, help="a directory written by ako sweep")
+    report.add_argument("--out", metavar="DIR", type=_path, help="where to write report.md and the plots (default: SWEEP_DIR/report)")
     commands.add_parser("info", help="list strategies, models and data sets, and where data is found")
     return parser
+
+
+def _path(text: str) -> str:
+    """An argparse type: a path, not empty ('' would be read as the current directory)."""
+    if not text:
+        raise argparse.ArgumentTypeError("must be a path, not ''")
+    return text
 
 
 def _positive(text: str) -> int:

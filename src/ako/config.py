@@ -279,7 +279,7 @@ def validate(config: TrainConfig, simulated: bool = False, given: frozenset[str]
         value = getattr(c, name)
         if value is not None and not (isinstance(value, str) and (":" in value or value == CUSTOM)):
             raise ConfigError(f"{name} {show(value)}: expected package.module:function")
-    if c.data_dir is not None and not isinstance(c.data_dir, str):
+    if c.data_dir is not None and not (isinstance(c.data_dir, str) and c.data_dir):
         raise ConfigError(f"data_dir {show(c.data_dir)}: must be a directory path")
     choice("strategy", c.strategy, STRATEGIES)
     if ":" not in c.model and c.model != CUSTOM and c.model not in MODELS:  # else the job imports or refuses it
