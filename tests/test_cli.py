@@ -76,7 +76,7 @@ BAD_INPUT = [
     (["--strategy", "bsp", "--servers", "0"], "servers '0': must be an integer >= 1 and <= 1024"),
     (["--strategy", "bsp", "--servers", "30000"], "servers '30000': must be an integer >= 1 and <= 1024"),
     (["--strategy", "bsp", "--workers", "2", "--servers", "1024"],
-     "workers 2 + servers 1024: 1026 processes of about"),  # more than this machine's memory: it swapped, then hung
+     "workers 2 + servers 1024: 1026 processes of at least"),  # more than this machine's memory: it swapped, then hung
     (["--strategy", "bsp", "--staleness", "1"], "staleness 1: strategy bsp has no such option (it is for ako, ssp)"),
     (["--strategy", "ssp", "--staleness", "-1"], "staleness '-1': must be an integer >= 0"),
     (["--strategy", "absp", "--micro-batch", "0"], "micro_batch '0': must be an integer >= 1"),

@@ -36,27 +36,35 @@ def check(job, processes: int = 1) -> tuple:
         _check_tensorboard()
     if processes > 1:
         servers = processes - job.config.workers
-        check_memory(processes, f"workers {job.config.workers}" + (f" + servers {servers}" if servers else ""))
+        check_memory(processes, _process_bytes(data, replica), f"workers {job.config.workers}" + (f" + servers {servers}" if servers else ""))
     check_out_dir(job.config.out_dir)
     return data, replica
 
 
-def check_memory(processes: int, what: str) -> None:
-    """Raise ConfigError when `processes` local processes (`what`: "workers 2 + servers 100")
-    would not fit in the memory available here (Linux; elsewhere nothing is checked). Each is
-    taken to be the size of this process now, which has imported torch and loaded the data and
-    the model as each of them will (about 260 MiB with digits, 510 MiB with Fashion-MNIST).
-    Past that the machine swaps or kills, and the start-up waits cannot tell a slow start from
-    a dead one."""
+TORCH_PROCESS_BYTES = 250 * 2**20  # a worker process with torch imported, before data (measured here: 260 MiB with digits)
+
+
+def _process_bytes(data, replica: Replica) -> int:
+    """A lower bound of one worker process's memory: torch, the data sets' tensors (where they
+    are `TensorDataset`s: Fashion-MNIST's are 220 MB) and the replica's parameters, gradient
+    and two optimizer buffers."""
+    held = sum(t.nbytes for split in (data.train, data.test) for t in getattr(split, "tensors", ()) if isinstance(t, torch.Tensor))
+    return TORCH_PROCESS_BYTES + held + 4 * replica.params.nbytes
+
+
+def check_memory(processes: int, each: int, what: str) -> None:
+    """Raise ConfigError when `processes` local processes of `each` bytes (`what`: "workers 2
+    + servers 100") would not fit in the memory available here (Linux's MemAvailable; elsewhere
+    nothing is checked). Past that the machine swaps or kills, and the start-up waits cannot
+    tell a slow start from a dead one."""
     try:
         available = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
                          if line.startswith("MemAvailable:"))  # fmt: skip
-        each = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")  # resident
     except (OSError, StopIteration, ValueError, IndexError):
         return
     if processes * each > available:
         raise ConfigError(
-            f"{what}: {processes} processes of about {each / 2**20:.0f} MiB each (torch, the data and the model) need "
+            f"{what}: {processes} processes of at least {each / 2**20:.0f} MiB each (torch, the data and the model) need "
             f"{processes * each / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of memory available here; "
             "start fewer, or simulate the cluster with ako simulate, or spread it over machines with torchrun"
         )
