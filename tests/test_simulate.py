@@ -470,3 +470,31 @@ def test_the_summary_names_the_injected_stragglers(tmp_path):
     assert "  stragglers       rank=1,factor=3; prob=0.5,factor=2 (injected: " in format_summary(slowed.summary)
     plain = simulate(tmp_path, strategy="allreduce", **COSTS)
     assert plain.summary["stragglers"] == [] and "stragglers" not in format_summary(plain.summary)
+
+
+def test_sigterm_stops_a_simulation_as_ctrl_c_does(tmp_path):
+    """SIGTERM to `ako simulate` mid-run: exit status 130, one line, and the evaluation points
+    reached are in metrics.jsonl (it was killed by the signal, with config.toml alone)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "ako", "simulate", "--dataset", "digits", "--workers", "3", "--epochs", "200",
+           "--eval-every", "0.5", "--out-dir", str(out), "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not list(out.glob("*/config.toml")):
+            time.sleep(0.05)
+        time.sleep(3.0)
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130 and err == "ako: interrupted\n", (proc.returncode, err)
+    (run_dir,) = out.glob("*")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) >= 2 and not (run_dir / "summary.json").exists()

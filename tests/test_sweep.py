@@ -224,9 +224,10 @@ def test_bad_sweep_and_report_arguments(tmp_path, capsys):
     (tmp_path / "sweep.toml").write_text(TINY)
     assert main(["report", str(tmp_path)]) == 2
     assert "no finished cell yet" in capsys.readouterr().err
-    (tmp_path / "empty.toml").write_text("# nothing yet\n")
-    assert main(["sweep", str(tmp_path / "empty.toml")]) == 2  # it ran a default cell of 2 epochs
-    assert "empty.toml': empty; give its cells: [base], [grid] and [[arm]]" in capsys.readouterr().err
+    for text in ("# nothing yet\n", "[base]\n[grid]\n", 'runtime = "simulate"\n'):
+        (tmp_path / "empty.toml").write_text(text)
+        assert main(["sweep", str(tmp_path / "empty.toml")]) == 2  # it ran a default cell of 2 epochs
+        assert "empty.toml': sets no cells; give [base] settings, [grid] axes or [[arm]]s" in capsys.readouterr().err
     for args in (["sweep", ""], ["sweep", str(tmp_path / "t.toml"), "--out", ""], ["report", ""], ["report", str(tmp_path), "--out", ""],
                  ["calibrate", "--dataset", "digits", "--out", ""]):  # '' was read as the current directory
         assert main(args) == 2

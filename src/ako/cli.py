@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import sys
+import threading
 import tomllib
 
 from ako.config import FIELDS, STRATEGIES, ConfigError, TrainConfig, load_toml, option_users, run_config, validate
@@ -273,16 +274,13 @@ def cmd_sweep(file: str, out: str | None, jobs: int, progress: bool | None) -> i
 
     sweep = load_sweep(file)
     where = Path(out or os.path.join("sweeps", sweep.name))
-    before = signal.signal(signal.SIGTERM, _interrupt)  # stop the running cells, as Ctrl-C does
     try:
         failed = run_sweep(sweep, where, jobs, progress)
     except SweepFailed as e:
         raise ConfigError(str(e)) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # or SIGTERM (`main`): the running cells are stopped
         print(f"ako: interrupted; run the same command again to finish {where}", file=sys.stderr)
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, before)
     for cell, line in failed:
         print(f"ako: cell {cell.name} failed: {line} (log: {where / 'cells' / cell.name / 'log.txt'})", file=sys.stderr)
     print(f"ako sweep: {where}: {len(sweep.cells()) - len(failed)} of {len(sweep.cells())} cells finished; "
@@ -332,7 +330,18 @@ def _negative_values_joined(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The console script: returns the exit status (2 for bad input, 130 on Ctrl-C)."""
+    """The console script: returns the exit status (2 for bad input, 130 on Ctrl-C or
+    SIGTERM, which stop every command alike: a run keeps the metrics it has logged)."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        return _main(argv)
+    before = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _main(argv: list[str] | None) -> int:
     from ako.data import DataError
 
     try:
@@ -353,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ako: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C now would end in a traceback
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print("ako: interrupted", file=sys.stderr)
         return 130
 

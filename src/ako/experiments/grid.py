@@ -111,8 +111,8 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
         raise ConfigError(f"sweep file {str(path)!r} not found") from None
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"sweep file {str(path)!r}: {e}") from None
-    if not data:
-        raise ConfigError(f"sweep file {str(path)!r}: empty; give its cells: [base], [grid] and [[arm]] (docs/experiments.md)")
+    if not any(data.get(section) for section in ("base", "grid", "arm")):  # it ran one cell of ako's defaults
+        raise ConfigError(f"sweep file {str(path)!r}: sets no cells; give [base] settings, [grid] axes or [[arm]]s (docs/experiments.md)")
     try:
         sweep = _parse(data, text, default_name=re.sub(r"[^\w.+=,-]", "_", path.stem).lstrip(".") or "sweep")
         for cell in sweep.cells():

@@ -136,7 +136,8 @@ def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable
     are killed and WorkerFailed names the rank, unless the rank
     is in `survivable`; `role(rank)` names the process in messages. Ctrl-C or SIGTERM stops them
     all, rank 0 after it has logged the metrics it has (up to `_GRACE` s), and raises
-    KeyboardInterrupt. `timeout` bounds start-up (seconds)."""
+    KeyboardInterrupt; unless rank 0 was past training and hands in its result meanwhile, which
+    is then returned. `timeout` bounds start-up (seconds)."""
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
     env = {
         "MASTER_ADDR": "127.0.0.1",
@@ -155,6 +156,10 @@ def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable
             return group.watch(set(survivable), role, timeout)
         except KeyboardInterrupt:  # rank 0 logs the metrics it has first (a second Ctrl-C stops it at once)
             group._wind_up({rank for rank, proc in group.procs.items() if proc.exitcode is None})
+            for rank in group.procs:
+                group._read(rank)
+            if 0 in group.results:  # it was writing the summary: the run is whole, and so is its outcome
+                return group.results
             raise
         finally:
             group.stop()
