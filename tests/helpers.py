@@ -157,11 +157,12 @@ LATE_PUBLISHER = Strategy(name="gossip", worker=_late_publisher, replicas_differ
 
 class recorded:
     """A worker program that runs `program` unchanged, calling `record(op, result, log)` after
-    each operation; the dict `log` joins the program's facts (tensors come back by value).
-    A class, not a closure, so that it pickles to the worker processes."""
+    each operation (and `before(op, log)`, when given, before it); the dict `log` joins the
+    program's facts (tensors come back by value). A class, not a closure, so that it pickles
+    to the worker processes."""
 
-    def __init__(self, program, record):
-        self.program, self.record = program, record
+    def __init__(self, program, record, before=None):
+        self.program, self.record, self.before = program, record, before
 
     def __call__(self, ctx):
         log, gen, result = {}, self.program(ctx), None
@@ -170,6 +171,8 @@ class recorded:
                 op = gen.send(result)
             except StopIteration as done:
                 return {**(done.value or {}), **log}
+            if self.before is not None:
+                self.before(op, log)
             result = yield op
             self.record(op, result, log)
 

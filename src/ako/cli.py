@@ -11,9 +11,21 @@ import sys
 import threading
 import tomllib
 
-from ako.config import FIELDS, STRATEGIES, ConfigError, TrainConfig, load_toml, option_users, run_config, validate
-from ako.optim import OPTIMIZERS, SCHEDULES
-from ako.strategies import STRATEGIES as REGISTRY
+
+# Until the imports below are done (torch loads: the first 1 to 3 s of `ako ...`), Ctrl-C is
+# noted rather than raised: raised half-way through an import it gave a traceback, or was
+# swallowed by a library's `except:` and the run went on. `main` acts on it.
+_HELD: list[int] = []
+_HOLDING = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+if _HOLDING:
+    signal.signal(signal.SIGINT, lambda signum, frame: _HELD.append(signum))
+try:
+    from ako.config import FIELDS, STRATEGIES, ConfigError, TrainConfig, load_toml, option_users, run_config, validate
+    from ako.optim import OPTIMIZERS, SCHEDULES
+    from ako.strategies import STRATEGIES as REGISTRY
+finally:
+    if _HOLDING:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 EXIT_BAD_INPUT, EXIT_FAILED = 2, 1
 
@@ -332,6 +344,10 @@ def _negative_values_joined(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """The console script: returns the exit status (2 for bad input, 130 on Ctrl-C or
     SIGTERM, which stop every command alike: a run keeps the metrics it has logged)."""
+    if _HELD:  # Ctrl-C while this module was imported
+        _HELD.clear()
+        print("ako: interrupted", file=sys.stderr)
+        return 130
     if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
         return _main(argv)
     before = signal.signal(signal.SIGTERM, _interrupt)
