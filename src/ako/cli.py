@@ -300,10 +300,6 @@ def cmd_sweep(file: str, out: str | None, jobs: int, progress: bool | None) -> i
     return EXIT_FAILED if failed else 0
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def cmd_report(sweep_dir: str, out: str | None) -> int:
     """`ako report`: write report.md and the PNG plots."""
     from ako.experiments.report import write_report
@@ -348,13 +344,10 @@ def main(argv: list[str] | None = None) -> int:
         _HELD.clear()
         print("ako: interrupted", file=sys.stderr)
         return 130
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+    from ako.runtime.distributed.launcher import terminate_on_sigterm
+
+    with terminate_on_sigterm():
         return _main(argv)
-    before = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        return _main(argv)
-    finally:
-        signal.signal(signal.SIGTERM, before)
 
 
 def _main(argv: list[str] | None) -> int:

@@ -149,16 +149,13 @@ def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable
     }
     context = mp.get_context("spawn")
     group = _Group()
-    with _terminate_on_sigterm():
+    with terminate_on_sigterm():
         try:
             for rank in range(processes):
                 group.start(context, fn, args, rank, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
             return group.watch(set(survivable), role, timeout)
-        except KeyboardInterrupt:  # rank 0 logs the metrics it has first (a second Ctrl-C stops it at once)
-            group._wind_up({rank for rank, proc in group.procs.items() if proc.exitcode is None})
-            for rank in group.procs:
-                group._read(rank)
-            if 0 in group.results:  # it was writing the summary: the run is whole, and so is its outcome
+        except KeyboardInterrupt:
+            if group.interrupted():  # rank 0 was writing the summary: the run is whole, and so is its outcome
                 return group.results
             raise
         finally:
@@ -236,6 +233,14 @@ class _Group:
         if now - min(since, now) > timeout:
             raise WorkerFailed(f"{role(0)} rank 0 failed: stopped (SIGSTOP or a debugger) for {timeout:g} s; the others ended without it")
         return min(since, now)
+
+    def interrupted(self) -> bool:
+        """Ctrl-C: rank 0 logs the metrics it has first (`_wind_up`; a second Ctrl-C stops it
+        at once). Returns whether it handed in its result meanwhile (it was past training)."""
+        self._wind_up({rank for rank, proc in self.procs.items() if proc.exitcode is None})
+        for rank in self.procs:
+            self._read(rank)
+        return 0 in self.results
 
     def _wind_up(self, running: set[int]) -> None:
         """The job failed or was interrupted: give rank 0, if still training, up to `_GRACE` s
@@ -321,9 +326,9 @@ def _sigint_ignored():
 
 
 @contextmanager
-def _terminate_on_sigterm():
-    """While the workers run, SIGTERM to the launcher stops them as Ctrl-C does (only the main
-    thread may set signal handlers)."""
+def terminate_on_sigterm():
+    """In this block SIGTERM raises KeyboardInterrupt, as Ctrl-C does: the launcher stops its
+    workers, the CLI every command (only the main thread may set signal handlers)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
