@@ -12,20 +12,23 @@ import threading
 import tomllib
 
 
-# Until the imports below are done (torch loads: the first 1 to 3 s of `ako ...`), Ctrl-C is
-# noted rather than raised: raised half-way through an import it gave a traceback, or was
-# swallowed by a library's `except:` and the run went on. `main` acts on it.
+# Until the imports below are done (torch loads: the first 1 to 3 s of `ako ...`), Ctrl-C and
+# SIGTERM are noted rather than acted on: raised half-way through an import Ctrl-C gave a
+# traceback, or was swallowed by a library's `except:` and the run went on; SIGTERM killed the
+# process without a word. `main` acts on them.
 _HELD: list[int] = []
-_HOLDING = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-if _HOLDING:
-    signal.signal(signal.SIGINT, lambda signum, frame: _HELD.append(signum))
+_HOLDING = {sig: previous for sig, previous in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL))
+            if threading.current_thread() is threading.main_thread() and signal.getsignal(sig) is previous}  # fmt: skip
+for _sig in _HOLDING:
+    signal.signal(_sig, lambda signum, frame: _HELD.append(signum))
 try:
     from ako.config import FIELDS, STRATEGIES, ConfigError, TrainConfig, load_toml, option_users, run_config, validate
     from ako.optim import OPTIMIZERS, SCHEDULES
+    from ako.runtime.distributed.launcher import terminate_on_sigterm
     from ako.strategies import STRATEGIES as REGISTRY
 finally:
-    if _HOLDING:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    for _sig, _previous in _HOLDING.items():
+        signal.signal(_sig, _previous)
 
 EXIT_BAD_INPUT, EXIT_FAILED = 2, 1
 
@@ -340,12 +343,10 @@ def _negative_values_joined(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """The console script: returns the exit status (2 for bad input, 130 on Ctrl-C or
     SIGTERM, which stop every command alike: a run keeps the metrics it has logged)."""
-    if _HELD:  # Ctrl-C while this module was imported
+    if _HELD:  # Ctrl-C or SIGTERM while this module was imported
         _HELD.clear()
         print("ako: interrupted", file=sys.stderr)
         return 130
-    from ako.runtime.distributed.launcher import terminate_on_sigterm
-
     with terminate_on_sigterm():
         return _main(argv)
 
