@@ -10,6 +10,7 @@ it ends with the parameters of a run that was never interrupted.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -203,6 +204,26 @@ def test_a_failed_run_without_checkpoints_keeps_its_metrics(tmp_path, strategy):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) >= 2 and all(0 <= r["test_accuracy"] <= 1 for r in records)
     assert [r["epoch"] for r in records] == sorted(r["epoch"] for r in records) and records[-1]["time"] > 0
+
+
+def test_ctrl_c_once_the_summary_is_out_leaves_the_run_finished(tmp_path):
+    """Ctrl-C after the last line, while Python exits (0.6 s with torch loaded): the command
+    is done, so it ends with its own status, 0, not killed by the signal (-2) without a word."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "ako", "simulate", "--workers", "2", "--dataset", "digits", "--epochs", "0.2",
+           "--seconds-per-sample", "0.001", "--out-dir", str(tmp_path / "runs"), "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        for line in proc.stdout:
+            if line.lstrip().startswith("run directory"):  # the summary's last line
+                proc.send_signal(signal.SIGINT)
+                break
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0 and err == "", (proc.returncode, err)
 
 
 @pytest.mark.parametrize("strategy", ["ako", "allreduce"])

@@ -1,3 +1,3 @@
-from ako.cli import main
+from ako.cli import console
 
-raise SystemExit(main())
+console()
