@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -142,6 +143,7 @@ def test_a_stopped_worker_never_hangs_the_run(tmp_path, strategy, rank):
     if strategy == "ako":
         assert code == 0, err
         assert "worker rank 2 was stopped (SIGSTOP or a debugger) and dropped (silent for 5 s" in out, out
+        assert re.search(r"^ako: worker rank 2 was stopped \(SIGSTOP or a debugger\) and dropped \(.*5 s; found by rank [01]\)$", err, re.M), err
         return
     assert code == 1 and err.count("\n") == 1, err
     assert err.startswith(f"ako: worker rank {rank} failed: stopped (SIGSTOP or a debugger); the others timed out"), err
@@ -165,6 +167,7 @@ def test_a_worker_stopped_past_the_timeout_is_dropped_and_ends(tmp_path, strateg
     assert code == 0 and "Traceback" not in err, err
     assert "worker rank 2 was stopped (SIGSTOP or a debugger) and dropped (silent for 3 s" in out, out
     assert "ako: worker rank 2 lost: dropped by the others: rank " in err, err
+    assert re.search(r"^ako: worker rank 2 was stopped \(SIGSTOP or a debugger\) and dropped \(.*3 s; found by rank [01]\)$", err, re.M), err
     (run_dir,) = out_dir.glob("*")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [(loss["rank"], loss["how"]) for loss in summary["lost"]] == [(2, "stopped")]

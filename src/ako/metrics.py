@@ -147,7 +147,7 @@ def format_summary(s: dict) -> str:
         lines.append(f"  resumed          from the checkpoint at step {s['resumed_from_step']}{again}")
     if s.get("lost_ranks"):
         lost = s.get("lost") or [{"rank": r, "role": "worker", "how": "died", "reason": ""} for r in s["lost_ranks"]]
-        lines.append(f"  lost             {'; '.join(map(_loss, lost))}; the others carried on")
+        lines.append(f"  lost             {'; '.join(map(loss_text, lost))}; the others carried on")
     if "partitions" in s:
         lines.append(
             f"  partitions       p = {s['partitions']}, {s['exchange']}, staleness bound {s['staleness_bound']} "
@@ -258,8 +258,10 @@ def _ranks(s: dict) -> str:
     return f"rank{'s' if len(s['per_worker']) > 1 else ''} " + ", ".join(str(w["rank"]) for w in s["per_worker"])
 
 
-def _loss(loss: dict) -> str:
-    """One lost rank, as the summary prints it: "worker rank 1 died (Connection reset by peer)"."""
+def loss_text(loss: dict) -> str:
+    """One lost rank ({"rank", "role", "how", "reason"}), as the summary prints it: "worker rank
+    1 died (Connection reset by peer)", "worker rank 2 was stopped (SIGSTOP or a debugger) and
+    dropped (silent for 5 s)"."""
     reason = f" ({loss['reason']})" if loss.get("reason") else ""
     return f"{loss.get('role', 'worker')} rank {loss['rank']} {_HOW.get(loss['how'], loss['how'])}{reason}"
 

@@ -35,6 +35,7 @@ and payload must not interleave with another's.
 from __future__ import annotations
 
 import re
+import sys
 import threading
 import time
 from collections import deque
@@ -45,6 +46,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ako.metrics import loss_text
 from ako.runtime.distributed.liveness import StallClock
 from ako.strategies import tags
 from ako.strategies.ops import Message, PeerLost
@@ -251,6 +253,8 @@ class Mailbox:
         with self.send_lock:  # not `send`: this may run inside its `_settle`
             for other in told:
                 self._post_quietly(other, DROPPED, peer)
+        loss = {"rank": peer, "role": self._role(peer), "how": how, "reason": f"{reason}; found by rank {self.rank}"}
+        print(f"ako: {loss_text(loss)}", file=sys.stderr, flush=True)  # as the launcher says a death: when it happens
 
     def get(self, tag: int, src: int | None, timeout: float, tolerant: bool = False) -> Message:
         """Wait for the next message with `tag` from `src`, as long as `src` shows signs of life
@@ -434,7 +438,7 @@ class Mailbox:
             if rank == self.rank:
                 self.dropped = f"rank {src} found it silent for {self.timeout:g} s (stopped, stuck or far too slow)"
             elif rank not in self.lost:
-                self.lost[rank] = f"silent for {self.timeout:g} s (found by rank {src})"
+                self.lost[rank] = f"silent for {self.timeout:g} s; found by rank {src}"
                 self.silent, self.how[rank] = self.silent | {rank}, how
             self.cond.notify_all()
 
