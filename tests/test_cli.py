@@ -72,7 +72,7 @@ BAD_INPUT = [
     (["--backend", "nccl"], "backend 'nccl' needs CUDA"),
     (["--config", ""], "config file '' not found"),
     (["--out-dir", "/dev/null/runs"], "out_dir '/dev/null/runs': cannot make it (Not a directory)"),
-    (["--strategy", "allreduce", "--servers", "2"], "servers 2: strategy allreduce has no such option (it is for bsp, asp"),
+    (["--strategy", "allreduce", "--servers", "2"], "servers 2: strategy allreduce has no such option (it is for bsp, ssp, asp, absp, easgd)"),
     (["--strategy", "bsp", "--servers", "0"], "servers '0': must be an integer >= 1 and <= 1024"),
     (["--strategy", "bsp", "--servers", "30000"], "servers '30000': must be an integer >= 1 and <= 1024"),
     (["--strategy", "bsp", "--workers", "2", "--servers", "1024"],

@@ -12,7 +12,7 @@ from ako.strategies.ps import absp, bsp, easgd, ssp
 
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
-    for s in (ako.STRATEGY, allreduce.STRATEGY, gossip.STRATEGY, bsp.STRATEGY, ssp.ASP, ssp.SSP, absp.STRATEGY, easgd.STRATEGY)
+    for s in (ako.STRATEGY, allreduce.STRATEGY, gossip.STRATEGY, bsp.STRATEGY, ssp.SSP, ssp.ASP, absp.STRATEGY, easgd.STRATEGY)
 }
 
 __all__ = ["STRATEGIES", "Option", "ServerContext", "Strategy", "WorkerContext"]
