@@ -209,6 +209,34 @@ def test_a_failed_run_without_checkpoints_keeps_its_metrics(tmp_path, strategy):
     assert [r["epoch"] for r in records] == sorted(r["epoch"] for r in records) and records[-1]["time"] > 0
 
 
+def test_ctrl_c_and_sigterm_held_off_an_import_come_after_it():
+    """`held`: a Ctrl-C in the block raises KeyboardInterrupt after it, not in it (torch._dynamo's
+    import swallowed 1 in 30); SIGTERM reaches its handler of before after the block; with
+    deliver=False they are only noted, for the caller to act on."""
+    from ako.interrupts import held
+
+    reached = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: reached.append(signum))
+    try:
+        with held() as noted:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # handled here, and held
+            inside, during = list(noted), list(reached)
+        assert inside == [signal.SIGTERM] and during == [] and reached == [signal.SIGTERM]
+        with pytest.raises(KeyboardInterrupt):
+            with held() as noted:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+                inside = list(noted)
+        assert inside == [signal.SIGINT]
+        with held(deliver=False) as noted:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        assert noted == [signal.SIGINT] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_ctrl_c_while_python_exits_after_the_command_leaves_it_finished():
     """Ctrl-C once the command is done, while Python exits (0.6 s with torch loaded): the
     command ends with its own status, not killed by the signal (-2) or with a traceback. The

@@ -13,23 +13,15 @@ import tomllib
 from typing import NoReturn
 
 
+from ako.interrupts import held
+
 # Until the imports below are done (torch loads: the first 1 to 3 s of `ako ...`), Ctrl-C and
-# SIGTERM are noted rather than acted on: raised half-way through an import Ctrl-C gave a
-# traceback, or was swallowed by a library's `except:` and the run went on; SIGTERM killed the
-# process without a word. `main` acts on them.
-_HELD: list[int] = []
-_HOLDING = {sig: previous for sig, previous in ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL))
-            if threading.current_thread() is threading.main_thread() and signal.getsignal(sig) is previous}  # fmt: skip
-for _sig in _HOLDING:
-    signal.signal(_sig, lambda signum, frame: _HELD.append(signum))
-try:
+# SIGTERM are noted rather than acted on (`ako.interrupts`); `main` acts on them.
+with held(deliver=False) as _HELD:
     from ako.config import FIELDS, STRATEGIES, ConfigError, TrainConfig, load_toml, option_users, run_config, validate
     from ako.optim import OPTIMIZERS, SCHEDULES
     from ako.runtime.distributed.launcher import terminate_on_sigterm
     from ako.strategies import STRATEGIES as REGISTRY
-finally:
-    for _sig, _previous in _HOLDING.items():
-        signal.signal(_sig, _previous)
 
 EXIT_BAD_INPUT, EXIT_FAILED = 2, 1
 
@@ -342,10 +334,16 @@ def _negative_values_joined(argv: list[str]) -> list[str]:
 
 
 def console() -> NoReturn:
-    """The `ako` console script and `python -m ako`: `main`, then exit with its status.
+    """The `ako` console script and `python -m ako`: `main`, then exit with its status (1 when
+    stdout's reader left early, without a traceback).
     Ctrl-C and SIGTERM are ignored from then on: the command is done, and Python's own exit
     (0.6 s with torch loaded) would otherwise end killed by the signal, without a word."""
-    code = main()
+    try:
+        code = main()
+        sys.stdout.flush()
+    except BrokenPipeError:  # `ako info | head -1`: the reader left; Python's exit would flush again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = EXIT_FAILED
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

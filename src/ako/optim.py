@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ import torch
 from torch.optim import lr_scheduler
 
 from ako.checks import ConfigError, show
+from ako.interrupts import held
 
 OptimizerFn = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 SchedulerFn = Callable[[torch.optim.Optimizer], lr_scheduler.LRScheduler]
@@ -207,7 +209,10 @@ class FlatOptimizer:
         self.steps = 0
         # torch.optim's step imports torch._dynamo (0.7 s) the first time: here, before training
         # starts, so that the first step neither counts it nor falls behind the other workers.
-        importlib.import_module("torch._dynamo")
+        # Ctrl-C is held meanwhile: that import can swallow it.
+        if "torch._dynamo" not in sys.modules:
+            with held():
+                importlib.import_module("torch._dynamo")
 
     @torch.no_grad()
     def step(self, grad: torch.Tensor) -> None:
