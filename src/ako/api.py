@@ -25,6 +25,7 @@ from ako.optim import OptimizerFn, SchedulerFn
 from ako.replica import EvalFn, LossFn
 from ako.run.job import Job
 from ako.run.outcome import MODEL_FILE, WorkerResult
+from ako.run.preflight import check_out_dir
 from ako.runtime.distributed import checkpoint
 from ako.runtime.distributed.launcher import launch, under_elastic_agent
 from ako.runtime.distributed.process import run_rank, workers_of
@@ -195,13 +196,14 @@ def simulate(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set:
 
     config = validate(config, simulated=True)
     job = Job(config, strategy, model_fn, train_set, test_set, loss_fn, eval_fn, optimizer_fn, scheduler_fn, collate_fn)
-    data, _ = job.check()
+    data, _ = job.check(out_dir=False)
     sps, shared, ready = config.seconds_per_sample, (), ()
     if config.profile is not None:
         profile = load_profile(config.profile, config, data.name)
         sps = float(profile["seconds_per_sample"]) if sps is None else sps
         shared = tuple(float(t) for t in profile.get("shared_seconds_per_sample", ()))
         ready = tuple(float(f) for f in profile.get("gradient_ready", ()))
+    check_out_dir(config.out_dir)  # after the profile's checks: bad input makes no folder
     if sps is None:
         sps = measure_seconds_per_sample(job, data, torch.device("cpu"))
     job.config = replace(config, seconds_per_sample=sps)

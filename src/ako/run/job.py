@@ -176,11 +176,12 @@ class Job:
         c = self.config
         return Replica(model, self.optimization(data), self.loss_fn, self.eval_fn, data.collate_fn, c.precision)
 
-    def check(self, processes: int = 1) -> tuple[Data, Replica]:
+    def check(self, processes: int = 1, out_dir: bool = True) -> tuple[Data, Replica]:
         """Everything about the job itself that can fail before processes start
-        (`ako.run.preflight`), `processes` of them on this machine; returns the loaded data
-        and a replica of the model. Raises ConfigError or DataError with a one-line message."""
-        return preflight.check(self, processes)
+        (`ako.run.preflight`), `processes` of them on this machine; the output folder is made
+        last (unless not `out_dir`). Returns the loaded data and a replica of the model. Raises
+        ConfigError or DataError with a one-line message."""
+        return preflight.check(self, processes, out_dir)
 
     def identity(self, numel: int) -> dict:
         """What a checkpoint must agree with for this job to resume from it."""

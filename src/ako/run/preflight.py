@@ -17,10 +17,11 @@ from ako.replica import Replica
 from ako.run.imports import first_line
 
 
-def check(job, processes: int = 1) -> tuple:
-    """Load `job`'s data, build its model and replica, and try them (`Job.check`), and that
-    `processes` processes started here fit in memory (`check_memory`): returns (data, the
-    replica tried: its `numel` and `buffer_layout` are the model's)."""
+def check(job, processes: int = 1, out_dir: bool = True) -> tuple:
+    """Load `job`'s data, build its model and replica, and try them (`Job.check`), that
+    `processes` processes started here fit in memory (`check_memory`), and, with `out_dir`,
+    make the output folder (`check_out_dir`; else the caller does, after its own checks):
+    returns (data, the replica tried: its `numel` and `buffer_layout` are the model's)."""
     data = job.load_data()
     model = job.build_model(data)
     try:
@@ -37,7 +38,8 @@ def check(job, processes: int = 1) -> tuple:
     if processes > 1:
         servers = processes - job.config.workers
         check_memory(processes, _process_bytes(data, replica), f"workers {job.config.workers}" + (f" + servers {servers}" if servers else ""))
-    check_out_dir(job.config.out_dir)
+    if out_dir:
+        check_out_dir(job.config.out_dir)
     return data, replica
 
 
