@@ -23,3 +23,40 @@ def test_gloo_lines_are_dropped_and_the_rest_kept():
     proc = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0
     assert proc.stderr == "first\nsecond, from fd 2\n" + "third " * 2000 + "\n"
+
+
+BAR = r"""
+import os, sys, time
+from ako.runtime.distributed import quiet
+terminal_before = os.isatty(2)
+quiet.drop_gloo_lines()
+print(terminal_before, quiet.on_terminal(), os.isatty(2), flush=True)
+os.write(2, b"\r 50%|#####     |")  # a progress bar's redraw: no newline
+time.sleep(0.5)
+print("drawn", flush=True)  # the parent has read the redraw by now, or not
+time.sleep(5)
+quiet.drain()
+os._exit(0)
+"""
+
+
+def test_a_bar_redraw_comes_through_at_once_and_a_terminal_stays_one_for_the_bar():
+    """A progress bar redraws its line in place ("\\r..."): it is copied as it comes, not held
+    until a newline; and `on_terminal` says whether stderr was a terminal before the filter
+    made it a pipe (rank 0's bar is drawn by default on a terminal only)."""
+    import os
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-c", BAR], stdout=subprocess.PIPE, stderr=follower, text=True)
+    os.close(follower)
+    try:
+        assert proc.stdout.readline().split() == ["True", "True", "False"]
+        assert proc.stdout.readline() == "drawn\n"
+        ready, _, _ = select.select([leader], [], [], 2.0)
+        assert ready and os.read(leader, 1024) == b"\r 50%|#####     |"
+    finally:
+        proc.kill()
+        proc.wait()
+        os.close(leader)

@@ -135,9 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_flags(simulate, _SIMULATE_FLAGS)
     _add_flags(train, _TRAIN_FLAGS)
     calibrate = commands.add_parser(
-        "calibrate", help="measure compute seconds per sample here and write a cluster profile"
-    )
-    _add_flags(calibrate, {k: _FLAGS[k] for k in ("model", "dataset", "data_dir", "batch_size")})
+        "calibrate", help="measure compute seconds per sample here and write a cluster profile",
+        description="Time forward and backward here (one thread, as a worker runs) and write a profile for ako simulate --profile.",
+    )  # fmt: skip
+    _add_flags(calibrate, {k: _FLAGS[k] for k in ("model", "dataset", "data_dir")})
+    _add_flags(calibrate, {"batch_size": ("mini-batch size to time, as the simulated workers' will be", _FLAGS["batch_size"][1])})
     calibrate.add_argument("--out", metavar="FILE", type=_path, help="where to write the profile (default: <model>-profile.toml)")
     calibrate.add_argument(
         "--processes", type=int, default=1, metavar="N",
@@ -151,7 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--out", metavar="DIR", type=_path, help="the sweep directory (default: sweeps/<name>)")
     sweep.add_argument("--jobs", type=_positive, default=1, metavar="N", help="cells run at once, one core each (default 1)")
     sweep.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None, help="progress bar (default: only on a terminal)")
-    report = commands.add_parser("report", help="plots and a Markdown table from a sweep directory")
+    report = commands.add_parser(
+        "report", help="plots and a Markdown table from a sweep directory",
+        description="Write report.md (the table of time to the target per arm), cells.csv and the plots of a sweep directory.",
+    )  # fmt: skip
     report.add_argument("sweep_dir", metavar="SWEEP_DIR", type=_path, help="a directory written by ako sweep")
     report.add_argument("--out", metavar="DIR", type=_path, help="where to write report.md and the plots (default: SWEEP_DIR/report)")
     commands.add_parser("info", help="list strategies, models and data sets, and where data is found")
@@ -287,7 +292,7 @@ def cmd_sweep(file: str, out: str | None, jobs: int, progress: bool | None) -> i
     except SweepFailed as e:
         raise ConfigError(str(e)) from None
     except KeyboardInterrupt:  # or SIGTERM (`main`): the running cells are stopped
-        print(f"ako: interrupted; run the same command again to finish {where}", file=sys.stderr)
+        _say_interrupted(f"; run the same command again to finish {where}")
         return 130
     for cell, line in failed:
         print(f"ako: cell {cell.name} failed: {line} (log: {where / 'cells' / cell.name / 'log.txt'})", file=sys.stderr)
@@ -333,6 +338,12 @@ def _negative_values_joined(argv: list[str]) -> list[str]:
     return out
 
 
+def _say_interrupted(more: str = "") -> None:
+    """The line that ends an interrupted command; on a terminal on a line of its own (a
+    progress bar, or ^C, may have left the cursor half-way along one)."""
+    print(f"{chr(10) if sys.stderr.isatty() else ''}ako: interrupted{more}", file=sys.stderr)
+
+
 def console() -> NoReturn:
     """The `ako` console script and `python -m ako`: `main`, then exit with its status (1 when
     stdout's reader left early, without a traceback).
@@ -355,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     on Ctrl-C or SIGTERM, which stop every command alike: a run keeps the metrics it has logged)."""
     if _HELD:  # Ctrl-C or SIGTERM while this module was imported
         _HELD.clear()
-        print("ako: interrupted", file=sys.stderr)
+        _say_interrupted()
         return 130
     with terminate_on_sigterm():
         return _main(argv)
@@ -385,6 +396,6 @@ def _main(argv: list[str] | None) -> int:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C now would end in a traceback
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        print("ako: interrupted", file=sys.stderr)
+        _say_interrupted()
         return 130
 

@@ -75,7 +75,7 @@ class WorkerState:
         self, *, config: TrainConfig, rank: int, world_size: int, replica: Replica, train_set, test_set,
         clock: Clock, traffic: Callable[[], tuple[int, int]], on_target: Callable[[], None],
         log: MetricsLog | None = None, consensus: ReplicaExchange | None = None, checkpointer: Checkpointer | None = None,
-        num_workers: int = 0, progress_bar: bool = True,
+        num_workers: int = 0, progress_bar: bool = False,
     ):  # fmt: skip
         self.config, self.rank, self.world_size, self.replica = config, rank, world_size, replica
         self.clock, self.traffic, self.on_target = clock, traffic, on_target
@@ -99,7 +99,7 @@ class WorkerState:
         self.bar = None
         if rank == 0 and progress_bar:  # the simulator draws its own (`ako.runtime.simulated.progress`)
             tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock: a killed worker would leak it
-            self.bar = tqdm(total=self.planned_steps, unit="step", disable=None if config.progress is None else not config.progress)
+            self.bar = tqdm(total=self.planned_steps, unit="step")
 
     def before_step(self) -> None:
         """Between two steps: take a checkpoint if one is due; at an evaluation point, rank 0's

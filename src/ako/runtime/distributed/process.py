@@ -195,6 +195,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
             config=config, rank=rank, world_size=n, replica=replica, train_set=data.train, test_set=data.test,
             clock=runtime.clock, traffic=runtime.bytes_moved, on_target=runtime.request_stop, log=log,
             consensus=replicas, checkpointer=checkpoints, num_workers=config.num_workers,
+            progress_bar=config.progress if config.progress is not None else quiet.on_terminal(),
         )  # fmt: skip
         program = strategy.worker
         ctx = WorkerContext(rank, n, replica, config, state.should_stop, servers, point or 0, state.plan_done)

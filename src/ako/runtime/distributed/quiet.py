@@ -4,7 +4,7 @@ Gloo writes some messages straight to file descriptor 2, past TORCH_CPP_LOG_LEVE
 per retry of a failed connection ("debug_logger.cc ... failed to connect, willRetry=..."), a
 dozen of them when a peer is gone during start-up. ako reports that failure itself in one
 line, so these are dropped: fd 2 becomes a pipe, and a thread copies every other line to the
-real stderr.
+real stderr (and a progress bar's redraws as they come).
 """
 
 from __future__ import annotations
@@ -16,24 +16,34 @@ import threading
 
 NOISE = (b"gloo/transport/tcp/debug_logger.cc",)  # what no user needs to read
 _drain = None
+_terminal: bool | None = None  # whether fd 2 was a terminal before it became the pipe
+
+
+def on_terminal() -> bool:
+    """Whether this process's stderr is a terminal (the real one, while it is filtered): where
+    a progress bar is drawn by default."""
+    return _terminal if _drain is not None else os.isatty(2)
 
 
 def drop_gloo_lines() -> None:
     """Filter this process's stderr (fd 2) from now on; `drain` (also run at exit) ends it."""
-    global _drain
+    global _drain, _terminal
     if _drain is not None:
         return
     sys.stderr.flush()
+    _terminal = os.isatty(2)
     real = os.dup(2)
     read, write = os.pipe()
     os.dup2(write, 2)
     os.close(write)
 
     def pump():
-        with os.fdopen(read, "rb") as lines:
-            for line in lines:
-                if not any(n in line for n in NOISE):
-                    os.write(real, line)
+        pending = b""
+        while chunk := os.read(read, 1 << 16):
+            pending = _forward(real, pending + chunk)
+        if pending and not any(n in pending for n in NOISE):
+            os.write(real, pending)  # the last line, unended
+        os.close(read)
 
     thread = threading.Thread(target=pump, name="ako-stderr", daemon=True)
     thread.start()
@@ -45,6 +55,18 @@ def drop_gloo_lines() -> None:
 
     _drain = finish
     atexit.register(drain)
+
+
+def _forward(fd: int, text: bytes) -> bytes:
+    """Write `text`'s whole lines but Gloo's to `fd`, and a progress bar's redraws in place
+    (a line begun with a carriage return) at once, not when its line ends; returns the rest."""
+    *lines, rest = text.split(b"\n")
+    out = b"".join(line + b"\n" for line in lines if not any(n in line for n in NOISE))
+    if b"\r" in rest:
+        out, rest = out + rest, b""
+    if out:
+        os.write(fd, out)
+    return rest
 
 
 def drain() -> None:

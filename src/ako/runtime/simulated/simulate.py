@@ -94,7 +94,6 @@ def _start(runtime: SimulatedRuntime, job: Job, data: Data, replicas: list, run_
                 config=config, rank=rank, world_size=n, replica=replica, train_set=data.train, test_set=data.test,
                 clock=node.clock, traffic=lambda r=rank: runtime.traffic(r), on_target=lambda r=rank: runtime.request_stop(r),
                 log=log, consensus=SharedReplicas(copies, rank, n) if strategy.replicas_differ else None,
-                progress_bar=False,
             )  # fmt: skip
             runtime.start(rank, strategy.worker, WorkerContext(rank, n, replica, config, node.state.should_stop, servers, plan_done=node.state.plan_done))
         else:
