@@ -100,22 +100,42 @@ def seconds(fn, *args, repeats: int = 3) -> tuple[float, torch.Tensor]:
     return sorted(times)[len(times) // 2], result
 
 
+def _count(most: int):
+    def parse(text: str) -> int:
+        if not text.isdigit() or not 1 <= int(text) <= most:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be a whole number from 1 to {most}")
+        return int(text)
+
+    return parse
+
+
+def _counts(most: int):
+    return lambda text: [_count(most)(part) for part in text.split(",")]
+
+
+def _models(text: str) -> list[str]:
+    names = text.split(",")
+    if not all(name in ("mlp", "cnn") for name in names):  # layerwise knows Conv2d, Linear, ReLU, MaxPool2d, Flatten
+        raise argparse.ArgumentTypeError(f"{text!r}: must be mlp, cnn or both, comma-separated")
+    return names
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, default=64)
-    parser.add_argument("--batch-sizes", default="2,4,8,16,32")
-    parser.add_argument("--models", default="mlp,cnn")
+    parser.add_argument("--workers", type=_count(4096), default=64, help="replicas (1 to 4096)")
+    parser.add_argument("--batch-sizes", type=_counts(4096), default="2,4,8,16,32", help="comma-separated, each 1 to 4096")
+    parser.add_argument("--models", type=_models, default="mlp,cnn", help="comma-separated: mlp, cnn")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"{args.workers} replicas, one torch thread; seconds per step of all replicas (median of 3)")
     print(f"{'model':<6} {'batch':>5} {'one at a time':>14} {'vmap':>9} {'ratio':>7} {'layerwise':>10} {'ratio':>7} "
           f"{'max |diff|':>11}")  # fmt: skip
-    for name in args.models.split(","):
+    for name in args.models:
         model = build_model(name, (1, 28, 28), 10)
         numel = sum(p.numel() for p in model.parameters())
         generator = torch.Generator().manual_seed(0)
         params = torch.randn(args.workers, numel, generator=generator) * 0.05
-        for b in map(int, args.batch_sizes.split(",")):
+        for b in args.batch_sizes:
             xs = torch.randn(args.workers, b, 1, 28, 28, generator=generator)
             ys = torch.randint(0, 10, (args.workers, b), generator=generator)
             single, g1 = seconds(one_at_a_time, model, params, xs, ys)

@@ -241,3 +241,10 @@ def run_and_kill(cmd: list[str], victim: str, out_dir: Path, settle: float = 0.0
         proc.kill()
         proc.wait()
     return proc.returncode, out, err, elapsed
+
+
+def default_sigint() -> None:
+    """Popen's `preexec_fn`: SIGINT as a terminal's foreground command gets it. A shell starts
+    a background job (`make test &`) with SIGINT ignored, which every process under it
+    inherits; a test that sends Ctrl-C would then test nothing, or wait for nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -306,3 +306,18 @@ def test_saved_buffers_that_do_not_fit_the_model_are_found_before_the_resume(tmp
     # BatchNorm's statistics, resumed with a module without buffers (GroupNorm, as many parameters)
     with pytest.raises(checkpoint.CheckpointError, match=r"rank1.pt': written by another model \(buffer bn.num_batches_tracked is not the model's \(it has none\)\)"):
         checkpoint.find(run_dir, identity, 2, buffers={})
+
+
+def test_a_resume_leaves_out_damaged_metrics_lines_in_one_line(tmp_path, capsys):
+    """metrics.jsonl on resume: a line a crash cut short mid-append, or an edit, is left out
+    with one line on stderr (it ended in a JSONDecodeError traceback); the records up to the
+    checkpoint's time are kept, those after it dropped."""
+    from ako.metrics import MetricsLog
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"time": 1.0, "x": 1}\ngarbage\n{"foo": 1}\n{"time": "x"}\n{"time": 2.0, "x": 2}\n{"time": 9.0}\n{"tim')
+    log = MetricsLog(path)
+    log.resume(until=5.0)
+    assert log.records == [{"time": 1.0, "x": 1}, {"time": 2.0, "x": 2}]
+    assert [json.loads(line) for line in path.read_text().splitlines()] == log.records
+    assert capsys.readouterr().err == f"ako: {path}: 4 damaged line(s) left out\n"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import find_process, run_and_kill, wait_for_checkpoint
+from helpers import default_sigint, find_process, run_and_kill, wait_for_checkpoint
 
 import ako
 from ako.config import PARAMETER_SERVER, STRATEGIES, TrainConfig, load_toml
@@ -209,6 +209,36 @@ def test_a_failed_run_without_checkpoints_keeps_its_metrics(tmp_path, strategy):
     assert [r["epoch"] for r in records] == sorted(r["epoch"] for r in records) and records[-1]["time"] > 0
 
 
+@pytest.mark.parametrize("strategy", ["ako", "allreduce"])
+def test_sigterm_to_the_whole_group_keeps_the_metrics_so_far(tmp_path, strategy):
+    """SIGTERM to the launcher and every worker at once (`timeout`, `kill -- -PGID`, a batch
+    scheduler): rank 0 logs its snapshots as on Ctrl-C; it used to die at once, and the run
+    kept only config.toml."""
+    import subprocess
+
+    out_dir = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "ako", "train", "--strategy", strategy, "--workers", "2", "--dataset", "digits",
+           "--batch-size", "16", "--epochs", "400", "--eval-every", "0.5", "--out-dir", str(out_dir), "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        ranks = [find_process(f"ako-rank{rank}", proc.pid, deadline) for rank in range(2)]
+        while time.monotonic() < deadline and not list(out_dir.glob("*/config.toml")):
+            time.sleep(0.05)
+        time.sleep(3.0)  # a few evaluation points (every 23 steps) in
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130 and err == "ako: interrupted\n", err
+    (run_dir,) = out_dir.glob("*")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) >= 2 and all(0 <= r["test_accuracy"] <= 1 for r in records)
+    assert not (run_dir / "summary.json").exists()
+    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks), "a worker process is left"
+
+
 def test_ctrl_c_and_sigterm_held_off_an_import_come_after_it():
     """`held`: a Ctrl-C in the block raises KeyboardInterrupt after it, not in it (torch._dynamo's
     import swallowed 1 in 30); SIGTERM reaches its handler of before after the block; with
@@ -217,6 +247,7 @@ def test_ctrl_c_and_sigterm_held_off_an_import_come_after_it():
 
     reached = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: reached.append(signum))
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # ignored where pytest runs in the background
     try:
         with held() as noted:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -235,6 +266,7 @@ def test_ctrl_c_and_sigterm_held_off_an_import_come_after_it():
         assert noted == [signal.SIGINT] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, before)
 
 
 def test_ctrl_c_while_python_exits_after_the_command_leaves_it_finished():
@@ -248,7 +280,7 @@ def test_ctrl_c_while_python_exits_after_the_command_leaves_it_finished():
             "from ako import cli\n"
             "cli.main = lambda: 0\n"
             "cli.console()\n")  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, preexec_fn=default_sigint)
     assert proc.returncode == 0 and proc.stderr == "", (proc.returncode, proc.stderr)
 
 
@@ -261,7 +293,7 @@ def test_ctrl_c_keeps_the_metrics_so_far_and_ends_every_process(tmp_path, strate
     out_dir = tmp_path / "runs"
     cmd = [sys.executable, "-m", "ako", "train", "--strategy", strategy, "--workers", "2", "--dataset", "digits",
            "--batch-size", "16", "--epochs", "400", "--eval-every", "0.5", "--out-dir", str(out_dir), "--no-progress"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 90
         ranks = [find_process(f"ako-rank{rank}", proc.pid, deadline) for rank in range(2)]

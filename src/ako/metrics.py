@@ -11,6 +11,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -45,6 +46,16 @@ def create_run_dir(out_dir: str | os.PathLike, strategy: str) -> Path:
     raise FileExistsError(f"{root}: cannot make a new run directory named {stem}")
 
 
+def _record(line: str) -> dict | None:
+    """One line of metrics.jsonl as a record, or None when it is not one (no number "time")."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    good = isinstance(record, dict) and isinstance(record.get("time"), (int, float)) and not isinstance(record["time"], bool)
+    return record if good else None
+
+
 class MetricsLog:
     """Appends evaluation records to `metrics.jsonl` and keeps them for the summary; with a
     `board` (`ako.run.board.Board`), writes each to TensorBoard as well."""
@@ -56,8 +67,11 @@ class MetricsLog:
     def resume(self, until: float) -> None:
         """A resumed run: keep the records up to `until` training seconds (the checkpoint's),
         drop any the failed run logged after it, and go on appending."""
-        lines = self.path.read_text().splitlines() if self.path.exists() else []
-        self.records = [r for r in map(json.loads, lines) if r["time"] <= until + 1e-9]
+        lines = self.path.read_text(errors="replace").splitlines() if self.path.exists() else []
+        records = [r for r in map(_record, lines) if r is not None]
+        if len(records) < len(lines):  # a line cut short by a crash mid-append, or an edit
+            print(f"ako: {self.path}: {len(lines) - len(records)} damaged line(s) left out", file=sys.stderr, flush=True)
+        self.records = [r for r in records if r["time"] <= until + 1e-9]
         write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
 
     def append(self, record: dict) -> None:

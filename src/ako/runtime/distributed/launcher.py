@@ -270,7 +270,7 @@ class _Group:
         if rank not in self.results and rank not in self.failures and pipe.poll():
             try:
                 result = pipe.recv()
-            except EOFError:  # it died before sending
+            except (EOFError, OSError):  # it died before sending or while, or a Ctrl-C cut the last receipt short
                 return
             if isinstance(result, RankFailed):
                 self.failures[rank] = result
@@ -294,6 +294,8 @@ def _child(fn, args, env: dict, pipe) -> None:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(END, _end_now)  # while training it has rank 0 log its metrics first (`process._endable`)
+    if env["RANK"] == "0":  # SIGTERM to the whole group (`timeout`, a scheduler) ends rank 0 as the launcher does
+        signal.signal(signal.SIGTERM, _as_end)
     os.environ.update(env)
     global _RESULTS
     _RESULTS = pipe
@@ -301,6 +303,11 @@ def _child(fn, args, env: dict, pipe) -> None:
     pipe.send(result)
     pipe.close()
     _exit_now(0)  # no teardown: see `_exit_now`
+
+
+def _as_end(signum, frame):
+    """SIGTERM in rank 0: what `END` does now (log the metrics so far while training)."""
+    os.kill(os.getpid(), END)
 
 
 def _end_now(signum, frame):
