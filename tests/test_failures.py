@@ -209,36 +209,6 @@ def test_a_failed_run_without_checkpoints_keeps_its_metrics(tmp_path, strategy):
     assert [r["epoch"] for r in records] == sorted(r["epoch"] for r in records) and records[-1]["time"] > 0
 
 
-@pytest.mark.parametrize("strategy", ["ako", "allreduce"])
-def test_sigterm_to_the_whole_group_keeps_the_metrics_so_far(tmp_path, strategy):
-    """SIGTERM to the launcher and every worker at once (`timeout`, `kill -- -PGID`, a batch
-    scheduler): rank 0 logs its snapshots as on Ctrl-C; it used to die at once, and the run
-    kept only config.toml."""
-    import subprocess
-
-    out_dir = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "ako", "train", "--strategy", strategy, "--workers", "2", "--dataset", "digits",
-           "--batch-size", "16", "--epochs", "400", "--eval-every", "0.5", "--out-dir", str(out_dir), "--no-progress"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 90
-        ranks = [find_process(f"ako-rank{rank}", proc.pid, deadline) for rank in range(2)]
-        while time.monotonic() < deadline and not list(out_dir.glob("*/config.toml")):
-            time.sleep(0.05)
-        time.sleep(3.0)  # a few evaluation points (every 23 steps) in
-        os.killpg(proc.pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == 130 and err == "ako: interrupted\n", err
-    (run_dir,) = out_dir.glob("*")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(records) >= 2 and all(0 <= r["test_accuracy"] <= 1 for r in records)
-    assert not (run_dir / "summary.json").exists()
-    assert not any(Path(f"/proc/{pid}").exists() for pid in ranks), "a worker process is left"
-
-
 def test_ctrl_c_and_sigterm_held_off_an_import_come_after_it():
     """`held`: a Ctrl-C in the block raises KeyboardInterrupt after it, not in it (torch._dynamo's
     import swallowed 1 in 30); SIGTERM reaches its handler of before after the block; with
@@ -284,23 +254,30 @@ def test_ctrl_c_while_python_exits_after_the_command_leaves_it_finished():
     assert proc.returncode == 0 and proc.stderr == "", (proc.returncode, proc.stderr)
 
 
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm to the group"])
 @pytest.mark.parametrize("strategy", ["ako", "allreduce"])
-def test_ctrl_c_keeps_the_metrics_so_far_and_ends_every_process(tmp_path, strategy):
-    """Ctrl-C (SIGINT to the launcher) mid-run: rank 0 logs the snapshots it has taken, then
-    every process ends: exit status 130, one line, no process left."""
+def test_ctrl_c_keeps_the_metrics_so_far_and_ends_every_process(tmp_path, strategy, how):
+    """Ctrl-C (SIGINT to the launcher), or SIGTERM to the launcher and every worker at once
+    (`timeout`, `kill -- -PGID`, a batch scheduler; rank 0 used to die at once, keeping only
+    config.toml), mid-run: rank 0 logs the snapshots it has taken, then every process ends:
+    exit status 130, one line, no process left."""
     import subprocess
 
     out_dir = tmp_path / "runs"
     cmd = [sys.executable, "-m", "ako", "train", "--strategy", strategy, "--workers", "2", "--dataset", "digits",
            "--batch-size", "16", "--epochs", "400", "--eval-every", "0.5", "--out-dir", str(out_dir), "--no-progress"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint,
+                            start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 90
         ranks = [find_process(f"ako-rank{rank}", proc.pid, deadline) for rank in range(2)]
         while time.monotonic() < deadline and not list(out_dir.glob("*/config.toml")):
             time.sleep(0.05)
         time.sleep(3.0)  # a few evaluation points (every 23 steps) in
-        proc.send_signal(signal.SIGINT)
+        if how == "ctrl-c":
+            proc.send_signal(signal.SIGINT)
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)
         interrupted = time.monotonic()
         _, err = proc.communicate(timeout=30)
         ended = time.monotonic() - interrupted
@@ -308,7 +285,7 @@ def test_ctrl_c_keeps_the_metrics_so_far_and_ends_every_process(tmp_path, strate
         proc.kill()
         proc.wait()
     assert proc.returncode == 130 and err == "ako: interrupted\n", err
-    assert ended < 10, f"{ended:.1f} s from Ctrl-C to the end"
+    assert ended < 10, f"{ended:.1f} s from the signal to the end"
     (run_dir,) = out_dir.glob("*")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) >= 2 and all(0 <= r["test_accuracy"] <= 1 for r in records)
