@@ -17,8 +17,8 @@ from contextlib import contextmanager
 def held(deliver: bool = True) -> Iterator[list[int]]:
     """In this block SIGINT and SIGTERM are noted, in the list it yields, and not acted on;
     after it, with `deliver`, they are raised again, in order, for the handlers of before
-    (Ctrl-C's KeyboardInterrupt ends that; where one is ignored, nothing happens). Main thread only (only it may
-    set handlers); elsewhere a no-op."""
+    (Ctrl-C's KeyboardInterrupt ends that; where one is ignored, nothing happens). Main
+    thread only (only it may set handlers); elsewhere a no-op."""
     noted: list[int] = []
     if threading.current_thread() is not threading.main_thread():
         yield noted
