@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ako.runtime.distributed.process import join_process_group
 from ako.runtime.distributed.launcher import launch_function
 from ako.runtime.distributed.liveness import is_stopped
-from ako.runtime.distributed.mailbox import Mailbox
+from ako.runtime.distributed.mailbox import Mailbox, Silent
 from ako.runtime.distributed.replicas import MailboxReplicas
 from ako.run.evaluation import snapshots_kept
 from ako.strategies.tags import REPLICA
@@ -54,6 +54,52 @@ def test_a_run_longer_than_the_timeout_keeps_sending():
     assert results[0]["sent"] == results[1]["received"] > 40
     # each message is two sends (header, payload); settled half a second after posting
     assert results[0]["most_pending"] <= 2 * (0.5 / 0.05 + 2)
+
+
+def wait_on(timeout: float) -> dict:
+    """Rank 0 waits, from any source, on rank 1 while it is busy for 3 timeouts (alive: its
+    receive thread answers pings), on rank 2 while it is stopped, and on anyone with no peer
+    named; returns how each wait ended and how long it took."""
+    rank, world, _ = join_process_group(30.0, "gloo")
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=30))
+    mailbox = Mailbox(rank, [p for p in range(world) if p != rank], group, timeout, on_stop=lambda: None)
+    seen = {}
+    if rank == 0:
+        pid = mailbox.get(8, 2, 30.0).step
+        for name, tag, awaiting in [("busy", 5, {1}), ("stopped", 6, {2}), ("anyone", 7, set())]:
+            start = time.monotonic()
+            try:
+                seen[name] = ("message from", mailbox.get(tag, None, timeout, awaiting=frozenset(awaiting)).src)
+            except Silent as e:
+                seen[name] = (str(e), e.peers)
+            seen[name] += (time.monotonic() - start,)
+        os.kill(pid, signal.SIGCONT)
+        mailbox.get(8, 2, 30.0)  # back: sends to it need not wait out its silence
+        for peer in (1, 2):
+            mailbox.send(torch.empty(0), peer, 9)
+    elif rank == 1:
+        time.sleep(3 * timeout)
+        mailbox.send(torch.empty(0), 0, 5)
+        mailbox.get(9, 0, 30.0)
+    else:
+        mailbox.send(torch.empty(0), 0, 8, step=os.getpid())
+        time.sleep(0.5)  # the message leaves before the stop
+        os.kill(os.getpid(), signal.SIGSTOP)
+        mailbox.send(torch.empty(0), 0, 8)
+        mailbox.get(9, 0, 30.0)
+    mailbox.close(30.0)
+    return seen
+
+
+def test_a_wait_from_any_source_lasts_while_an_awaited_peer_is_alive():
+    """A server's wait for a push from any of its workers: it lasts while one of them shows
+    signs of life, however long that is (a worker busy evaluating for longer than the
+    timeout), and ends after the timeout naming the awaited peers when none does."""
+    seen = launch_function(wait_on, 3, 1.0)[0]
+    assert seen["busy"][:2] == ("message from", 1) and 2.5 < seen["busy"][2] < 6, seen
+    assert seen["stopped"][:2] == ("no message from worker rank 2 for 1 s (awaiting 6)", [2]), seen
+    assert seen["anyone"][:2] == ("no message from any peer for 1 s (awaiting 7)", []), seen
+    assert 0.9 < seen["stopped"][2] < 3 and 0.9 < seen["anyone"][2] < 3, seen
 
 
 def test_the_stall_clock_counts_the_time_the_process_was_stopped():

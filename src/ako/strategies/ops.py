@@ -127,13 +127,16 @@ class Message:
 
 @dataclass(frozen=True)
 class Recv:
-    """Wait for the next message with `tag` (from `src`, or from anyone when None), up to the
-    run's timeout. Result: `Message`. Raises `PeerLost` when the awaited peer is gone (for any
-    source: when any peer is gone, or, if the strategy survives losses, once for each peer whose
-    loss neither an earlier `Recv` nor `Lost` has reported)."""
+    """Wait for the next message with `tag` (from `src`, or from anyone when None). Result:
+    `Message`. The wait lasts as long as `src` shows signs of life; from anyone, as long as one
+    of `awaiting` (the peers whose messages it is for) does, or, without them, for the run's
+    timeout. Raises `PeerLost` when the awaited peer is gone (for any source: when any peer is
+    gone, or, if the strategy survives losses, once for each peer whose loss neither an earlier
+    `Recv` nor `Lost` has reported; an awaited peer that stays silent for the timeout is lost)."""
 
     tag: int
     src: int | None = None
+    awaiting: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

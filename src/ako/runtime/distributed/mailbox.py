@@ -60,6 +60,19 @@ _MAX_PENDING = 256  # sends in flight to one peer before the sender waits for it
 _DTYPES = [torch.float32, torch.float64, torch.int64, torch.float16, torch.bfloat16, torch.uint8]
 
 
+class Silent(TimeoutError):
+    """No message with `tag` for `timeout` s from `peers` (the awaited ranks; none: anyone)."""
+
+    def __init__(self, tag: int, timeout: float, peers: list[int], role: Callable[[int], str]):
+        self.peers = sorted(peers)
+        who = "any peer"
+        if len(peers) == 1:
+            who = f"{role(peers[0])} rank {peers[0]}"
+        elif peers:
+            who = f"any of ranks {', '.join(map(str, self.peers))}"
+        super().__init__(f"no message from {who} for {timeout:g} s (awaiting {tags.name(tag)})")
+
+
 class Dropped(RuntimeError):
     """The other workers went on without this one: it was silent for their timeout (stopped,
     stuck or far too slow). It cannot rejoin; it can only end."""
@@ -256,14 +269,15 @@ class Mailbox:
         loss = {"rank": peer, "role": self._role(peer), "how": how, "reason": f"{reason}; found by rank {self.rank}"}
         print(f"ako: {loss_text(loss)}", file=sys.stderr, flush=True)  # as the launcher says a death: when it happens
 
-    def get(self, tag: int, src: int | None, timeout: float, tolerant: bool = False) -> Message:
+    def get(self, tag: int, src: int | None, timeout: float, tolerant: bool = False, awaiting=frozenset()) -> Message:
         """Wait for the next message with `tag` from `src`, as long as `src` shows signs of life
-        (it is pinged while the wait lasts: a live but slow peer is waited for); or, from any
-        source, for up to `timeout` seconds.
+        (it is pinged while the wait lasts: a live but slow peer is waited for); from any
+        source, as long as one of `awaiting` (the peers the message may come from) does, or,
+        without them, for up to `timeout` seconds.
 
         Raises PeerLost when the awaited peer is gone (for any source: any peer, or, when
-        `tolerant`, a peer whose loss has not been reported yet, once), TimeoutError after
-        `timeout` seconds of silence, and Dropped when the others dropped this worker.
+        `tolerant`, a peer whose loss has not been reported yet, once), Silent (a TimeoutError)
+        after `timeout` seconds of silence, and Dropped when the others dropped this worker.
         """
         start = time.monotonic()
         with self.cond:
@@ -274,15 +288,16 @@ class Mailbox:
                 self._raise_if_dropped()
                 self._raise_if_lost(src, tolerant)
                 now = time.monotonic()
-                quiet_since = start if src is None else max(start, self.heard[src])
+                watched = [src] if src is not None else [p for p in awaiting if p not in self.lost]
+                quiet_since = max([start, *(self.heard[p] for p in watched)])
                 left = quiet_since + timeout + self.stalls.since(quiet_since) - now  # our own stops do not count
                 if left <= 0:
-                    who = "any peer" if src is None else f"{self._role(src)} rank {src}"
-                    raise TimeoutError(f"no message from {who} for {timeout:g} s (awaiting {tags.name(tag)})")
-                if src is not None and now - max(quiet_since, self.pinged[src]) > timeout / 4:
-                    self.pinged[src] = now
-                    with self.send_lock:
-                        self._post_quietly(src, PING)
+                    raise Silent(tag, timeout, watched, self._role)
+                for peer in watched:
+                    if now - max(quiet_since, self.pinged[peer]) > timeout / 4:
+                        self.pinged[peer] = now
+                        with self.send_lock:
+                            self._post_quietly(peer, PING)
                 self.cond.wait(min(left, timeout / 4))
 
     def poll(self, tag: int, tolerant: bool = False) -> list[Message]:

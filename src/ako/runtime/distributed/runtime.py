@@ -23,7 +23,7 @@ from ako.run.outcome import rank_report
 from ako.run.worker import WorkerState
 from ako.runtime.base import compute, compute_all_reduce, compute_partial, drive, run_blocking
 from ako.runtime.distributed import checkpoint
-from ako.runtime.distributed.mailbox import Mailbox, comm_error
+from ako.runtime.distributed.mailbox import Mailbox, Silent, comm_error
 from ako.strategies import ops
 from ako.strategies.tags import FINAL, PROBE, REPORT, RUN_STOP, SNAPSHOT, SNAPSHOT_REQUEST
 
@@ -154,8 +154,8 @@ class DistributedRuntime:
                 if not (self.survives_loss and dst in self.mailbox.lost):
                     self.mailbox.send(tensor.cpu(), dst, tag, step, aux, drop_lost=self.survives_loss)
                 return None
-            case ops.Recv(tag, src):
-                return self._to_device(self.receive(tag, src))
+            case ops.Recv(tag, src, awaiting):
+                return self._to_device(self.receive(tag, src, awaiting))
             case ops.Poll(tag):
                 return [self._to_device(m) for m in self.mailbox.poll(tag, tolerant=self.survives_loss)]
             case ops.Lost():
@@ -179,20 +179,22 @@ class DistributedRuntime:
                     return self.measure_bandwidth(probe_bytes)
         raise TypeError(f"unknown operation {op!r}")
 
-    def receive(self, tag: int, src: int | None):
+    def receive(self, tag: int, src: int | None, awaiting=frozenset()):
         """`ops.Recv`. A strategy that survives losses carries on without a worker other than
         rank 0 (which evaluates and reports) that stays silent for the timeout while it waits
-        on it (stopped, stuck or far too slow): it is dropped (`Mailbox.drop`)."""
+        on it (stopped, stuck or far too slow): it is dropped (`Mailbox.drop`), and so is each
+        of the awaited peers when all of them are silent."""
         try:
-            return self.mailbox.get(tag, src, self.timeout, tolerant=self.survives_loss)
-        except TimeoutError:
-            if not (self.survives_loss and src not in (None, 0)):
+            return self.mailbox.get(tag, src, self.timeout, tolerant=self.survives_loss, awaiting=awaiting)
+        except Silent as e:
+            if not (self.survives_loss and e.peers and 0 not in e.peers):
                 raise
             reason = f"silent for {self.timeout:g} s"
-            self.mailbox.drop(src, reason)
+            for peer in e.peers:
+                self.mailbox.drop(peer, reason)
             with self.mailbox.cond:
-                self.mailbox.told.add(src)
-            raise self.mailbox.peer_lost(src, reason) from None
+                self.mailbox.told.add(e.peers[0])
+            raise self.mailbox.peer_lost(e.peers[0], reason) from None
 
     def pull(self, src: int) -> ops.Snapshot:
         """Request `src`'s published snapshot and wait for it (see `ops.Pull`)."""

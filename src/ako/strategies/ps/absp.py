@@ -47,7 +47,7 @@ def server(sctx):
     while True:
         total, count, finish, told, pushed = torch.zeros_like(shard.params), 0, False, False, set()
         while len(pushed) < len(sctx.workers):
-            m = yield Recv(PS_PUSH)
+            m = yield Recv(PS_PUSH, awaiting=frozenset(sctx.workers) - pushed)
             vote, whole, samples = unpack(m.aux, 1, 1, 32)
             total.add_(m.tensor)
             count += samples

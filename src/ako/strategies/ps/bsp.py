@@ -22,9 +22,10 @@ def server(sctx):
     """BSP server program."""
     shard = Shard(sctx)
     while True:
-        total, finish = torch.zeros_like(shard.params), False
-        for _ in sctx.workers:
-            m = yield Recv(PS_PUSH)
+        total, finish, waiting = torch.zeros_like(shard.params), False, frozenset(sctx.workers)
+        while waiting:
+            m = yield Recv(PS_PUSH, awaiting=waiting)
+            waiting -= {m.src}
             vote, version = unpack(m.aux, 1, 40)
             total.add_(m.tensor)
             finish |= bool(vote)

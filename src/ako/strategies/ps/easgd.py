@@ -94,7 +94,7 @@ def server(sctx):
     running = set(sctx.workers)
     while running:
         try:
-            m = yield Recv(PS_PUSH)
+            m = yield Recv(PS_PUSH, awaiting=frozenset(running))
         except PeerLost as lost:  # a dead worker: carry on without it
             running.discard(lost.rank)
             continue

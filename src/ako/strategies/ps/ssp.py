@@ -66,7 +66,7 @@ def server(sctx, bound: int | None):
     held: dict[int, tuple[int, bool]] = {}  # worker -> (clock it pushed, finishing) awaiting a reply
     while clock or held:
         try:
-            m = yield Recv(PS_PUSH)
+            m = yield Recv(PS_PUSH, awaiting=frozenset(clock) - held.keys())  # the held ones wait on us
         except PeerLost as lost:  # a dead worker: carry on without it
             clock.pop(lost.rank, None)
             held.pop(lost.rank, None)
