@@ -180,19 +180,44 @@ class recorded:
 RECORDED_AKO = replace(STRATEGIES["ako"], worker=recorded(ako_strategy.worker, sum_gradients))
 
 
-def find_process(name: str, parent: int, deadline: float) -> int:
-    """PID of the child of `parent` named `name` (workers name themselves ako-rank<R>, servers
-    ako-server<R>), waiting for it."""
+def find_process(name: str, ancestor: int, deadline: float) -> int:
+    """PID of the process under `ancestor` named `name` (workers name themselves ako-rank<R>,
+    servers ako-server<R>; the launcher's fork server is their parent), waiting for it."""
     while time.monotonic() < deadline:
-        for comm in Path("/proc").glob("[0-9]*/comm"):
+        for pid in descendants(ancestor):
             try:
-                ppid = int((comm.parent / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                if ppid == parent and comm.read_text().strip() == name:
-                    return int(comm.parent.name)
-            except (OSError, ValueError, IndexError):
+                if Path(f"/proc/{pid}/comm").read_text().strip() == name:
+                    return pid
+            except OSError:
                 continue
         time.sleep(0.1)
     raise AssertionError(f"no process {name} appeared")
+
+
+def descendants(ancestor: int) -> list[int]:
+    """The PIDs of every process under `ancestor` now (children, theirs, ...)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, frontier = [], [ancestor]
+    while frontier:
+        children = [pid for pid, ppid in parents.items() if ppid in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def gone(pids: list[int], within: float) -> bool:
+    """Whether every process in `pids` has ended (and been reaped) within `within` seconds."""
+    deadline = time.monotonic() + within
+    while any(Path(f"/proc/{pid}").exists() for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def wait_for_metrics(out_dir: Path, deadline: float) -> None:

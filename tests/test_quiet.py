@@ -1,10 +1,14 @@
 """Gloo's own connection-retry lines are dropped from a process's stderr; everything else,
-written by Python or straight to fd 2, comes through whole and in order, up to os._exit."""
+written by Python or straight to fd 2, comes through whole and in order, up to os._exit. A
+launched process writes where its launcher's stdout and stderr go when it is launched."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+
+from ako.runtime.distributed.launcher import launch_function
 
 CHILD = r"""
 import os, sys
@@ -60,3 +64,32 @@ def test_a_bar_redraw_comes_through_at_once_and_a_terminal_stays_one_for_the_bar
         proc.kill()
         proc.wait()
         os.close(leader)
+
+
+def say(word: str) -> str:
+    """A launched process's part: one line on stdout, one on stderr; returns $AKO_WORD."""
+    rank, said = os.environ["RANK"], os.environ.get("AKO_WORD")
+    print(word, rank, said, flush=True)
+    print(word, rank, "on stderr", file=sys.stderr, flush=True)
+    return said
+
+
+def test_a_launched_process_writes_where_its_launcher_does_and_has_its_environment(tmp_path, monkeypatch):
+    """The processes are forked by a fork server started by the first launch, whose stdout,
+    stderr and environment were the launcher's then: a later launch's processes still take
+    the launcher's as they are at that launch."""
+    launch_function(say, 1, "warm-up")
+    monkeypatch.setenv("AKO_WORD", "now")
+    saved = os.dup(1), os.dup(2)
+    try:
+        with open(tmp_path / "out", "wb") as out, open(tmp_path / "err", "wb") as err:
+            os.dup2(out.fileno(), 1)
+            os.dup2(err.fileno(), 2)
+            results = launch_function(say, 2, "hello")
+    finally:
+        for fd, copy in enumerate(saved, start=1):
+            os.dup2(copy, fd)
+            os.close(copy)
+    assert results == {0: "now", 1: "now"}
+    assert sorted((tmp_path / "out").read_text().splitlines()) == ["hello 0 now", "hello 1 now"]
+    assert sorted((tmp_path / "err").read_text().splitlines()) == ["hello 0 on stderr", "hello 1 on stderr"]

@@ -14,6 +14,10 @@ from typing import NoReturn
 
 
 from ako.interrupts import held
+from ako.runtime.distributed import forkserver
+
+if sys.argv[1:2] == ["train"] and "TORCHELASTIC_RUN_ID" not in os.environ:
+    forkserver.start()  # the workers' fork server loads torch and ako while this process does
 
 # Until the imports below are done (torch loads: the first 1 to 3 s of `ako ...`), Ctrl-C and
 # SIGTERM are noted rather than acted on (`ako.interrupts`); `main` acts on them.

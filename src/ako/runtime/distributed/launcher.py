@@ -9,12 +9,13 @@ import ctypes
 import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
+import multiprocessing.reduction as mp_reduction
 import os
 import signal
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from datetime import timedelta
 
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from ako.config import ConfigError
 from ako.data import DataError
 from ako.run.outcome import WorkerResult
-from ako.runtime.distributed import quiet
+from ako.runtime.distributed import forkserver, quiet
 from ako.runtime.distributed.liveness import is_stopped
 from ako.runtime.distributed.mailbox import comm_error
 from ako.runtime.distributed.process import END, JobEnded, StartupFailed, run_rank
@@ -127,10 +128,11 @@ def launch(job: Job, processes: int) -> dict[int, WorkerResult]:
 
 
 def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable=(), role=lambda rank: "worker") -> dict:
-    """Run `fn(*args)` in `processes` spawned processes, as torchrun would start them (RANK,
+    """Run `fn(*args)` in `processes` new processes, as torchrun would start them (RANK,
     LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set, one thread each); returns {rank:
-    fn's result} for every process that succeeded. `fn` must be importable (spawned processes
-    unpickle it).
+    fn's result} for every process that succeeded. `fn` must be importable (each process
+    unpickles it). They are forked by a fork server that has loaded torch and ako once
+    (`preload`), and take this process's environment and stdout/stderr, as spawned ones would.
 
     The launcher hosts the job's TCPStore and watches its processes: when one fails, the others
     are killed and WorkerFailed names the rank, unless the rank
@@ -140,6 +142,7 @@ def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable
     is then returned. `timeout` bounds start-up (seconds)."""
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
     env = {
+        **os.environ,  # as the caller has it now: a forked process has the fork server's
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(store.port),
         "WORLD_SIZE": str(processes),
@@ -147,7 +150,8 @@ def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "FATAL"),  # ako reports failures itself (ako/__init__.py)
     }
-    context = mp.get_context("spawn")
+    context = forkserver.context()
+    forkserver.start()  # if not yet (`ako train` starts it first thing)
     group = _Group()
     with terminate_on_sigterm():
         try:
@@ -174,8 +178,9 @@ class _Group:
 
     def start(self, context, fn, args, rank: int, env: dict) -> None:
         receiver, sender = context.Pipe(duplex=False)
-        proc = context.Process(target=_child, args=(fn, args, env, sender), name=f"ako-rank{rank}")
-        with _sigint_ignored():  # inherited: Ctrl-C while the child imports torch stays quiet
+        proc = context.Process(target=_child, args=(fn, args, env, _Stdio(), sender), name=f"ako-rank{rank}")
+        spawned = context.get_start_method() == "spawn"
+        with _sigint_ignored() if spawned else nullcontext():  # inherited: Ctrl-C while it imports torch stays quiet
             proc.start()
         sender.close()
         self.procs[rank], self.pipes[rank] = proc, receiver
@@ -287,15 +292,42 @@ class _Group:
             proc.join()
 
 
-def _child(fn, args, env: dict, pipe) -> None:
+class _Stdio:
+    """The launcher's stdout and stderr as they are when it starts a process, which takes
+    them in place of the fork server's (a test's captured output, a redirection since)."""
+
+    def __reduce__(self):
+        fds = [mp_reduction.DupFd(fd) if _is_open(fd) else None for fd in (1, 2)]
+        return _adopt_stdio, tuple(fds)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _adopt_stdio(*fds) -> None:
+    for target, fd in enumerate(fds, start=1):
+        if fd is not None:
+            source = fd.detach()
+            os.dup2(source, target)
+            os.close(source)
+
+
+def _child(fn, args, env: dict, _stdio, pipe) -> None:
     """A launched process: die with the launcher, leave Ctrl-C to it (it stops every process
-    at once, and only it reports), take the environment, run, send the result."""
+    at once, and only it reports), take the launcher's environment, run, send the result.
+    (`_stdio` did its part as it was unpickled: stdout and stderr are the launcher's.)"""
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(END, _end_now)  # while training it has rank 0 log its metrics first (`process._endable`)
-    if env["RANK"] == "0":  # SIGTERM to the whole group (`timeout`, a scheduler) ends rank 0 as the launcher does
-        signal.signal(signal.SIGTERM, _as_end)
+    # SIGTERM to the whole group (`timeout`, a scheduler) ends rank 0 as the launcher does, the others at once
+    signal.signal(signal.SIGTERM, _as_end if env["RANK"] == "0" else signal.SIG_DFL)
+    os.environ.clear()
     os.environ.update(env)
     global _RESULTS
     _RESULTS = pipe
