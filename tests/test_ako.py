@@ -194,10 +194,12 @@ def test_a_lost_peer_leaves_nothing_waited_on():
 
 
 def _auto_run(tmp_path, n: int, batch_size: int, accumulate: int) -> tuple[dict, float]:
-    """A simulated all-to-all run at 20 MB/s, steps of 8 ms: (summary, bytes sent per second)."""
+    """A simulated all-to-all run at 20 MB/s, steps of 8 ms: (summary, bytes sent per second).
+    At least 80 steps (fewer epochs below 16 workers, whose epochs have more steps)."""
     config = small_config(
         tmp_path, strategy="ako", workers=n, exchange="all-to-all", train_samples=None, batch_size=batch_size,
-        accumulate=accumulate, epochs=8.0 * accumulate, eval_every=1.0, seconds_per_sample=8e-3 / (batch_size * accumulate),
+        accumulate=accumulate, epochs=8.0 * accumulate * min(1, n / 16), eval_every=1.0,
+        seconds_per_sample=8e-3 / (batch_size * accumulate),
         bandwidth="20MB",
     )  # fmt: skip
     summary = ako.simulate(config).summary
