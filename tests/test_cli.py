@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -270,3 +271,15 @@ def test_a_target_beyond_the_builtin_evaluation_is_kept_for_a_users_eval_fn():
         validate(TrainConfig(target="accuracy>=90"))
     assert validate(TrainConfig(target="accuracy>=90", eval_fn="mine.metrics:percent")).goal.value == 90
     assert validate(TrainConfig(target="loss<=0")).goal.value == 0  # reachable in principle
+
+
+def test_the_installed_ako_script_trains(tmp_path):
+    """`ako train` through the console script that README and `make demo` run, not `python -m
+    ako`: each worker imports the script again (as multiprocessing does), and that import must
+    start nothing (it once started a fork server inside every worker, which failed)."""
+    script = Path(sys.executable).parent / "ako"
+    cmd = [str(script), "train", "--strategy", "allreduce", "--workers", "2", "--dataset", "digits", "--epochs", "0.1",
+           "--out-dir", str(tmp_path), "--no-progress"]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert "ako allreduce: 2 workers, cnn on digits" in proc.stdout, proc.stdout

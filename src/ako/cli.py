@@ -12,12 +12,7 @@ import threading
 import tomllib
 from typing import NoReturn
 
-
 from ako.interrupts import held
-from ako.runtime.distributed import forkserver
-
-if sys.argv[1:2] == ["train"] and "TORCHELASTIC_RUN_ID" not in os.environ:
-    forkserver.start()  # the workers' fork server loads torch and ako while this process does
 
 # Until the imports below are done (torch loads: the first 1 to 3 s of `ako ...`), Ctrl-C and
 # SIGTERM are noted rather than acted on (`ako.interrupts`); `main` acts on them.
@@ -349,8 +344,8 @@ def _say_interrupted(more: str = "") -> None:
 
 
 def console() -> NoReturn:
-    """The `ako` console script and `python -m ako`: `main`, then exit with its status (1 when
-    stdout's reader left early, without a traceback).
+    """The `ako` console script and `python -m ako` (through `ako.__main__`): `main`, then exit
+    with its status (1 when stdout's reader left early, without a traceback).
     Ctrl-C and SIGTERM are ignored from then on: the command is done, and Python's own exit
     (0.6 s with torch loaded) would otherwise end killed by the signal, without a word."""
     try:
