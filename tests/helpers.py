@@ -210,6 +210,30 @@ def descendants(ancestor: int) -> list[int]:
     return found
 
 
+def orphans_since(before: set[int], within: float) -> list[int]:
+    """The processes of this session, not there in `before` (`session()`), that are not under
+    this process `within` seconds from now (none left over: an empty list sooner)."""
+    deadline = time.monotonic() + within
+    while True:
+        left = sorted(session() - before - set(descendants(os.getpid())) - {os.getpid()})
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
+def session() -> set[int]:
+    """The PIDs of every live process (not a zombie) in this process's session now."""
+    sid, found = os.getsid(0), set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            found.add(int(stat.parent.name))
+    return found
+
+
 def gone(pids: list[int], within: float) -> bool:
     """Whether every process in `pids` has ended (and been reaped) within `within` seconds."""
     deadline = time.monotonic() + within

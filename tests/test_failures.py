@@ -9,6 +9,7 @@ it ends with the parameters of a run that was never interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -252,6 +253,32 @@ def test_ctrl_c_while_python_exits_after_the_command_leaves_it_finished():
             "cli.console()\n")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, preexec_fn=default_sigint)
     assert proc.returncode == 0 and proc.stderr == "", (proc.returncode, proc.stderr)
+
+
+def test_a_killed_launcher_takes_every_process_with_it(tmp_path):
+    """kill -9 of `ako train` itself mid-run: its workers and the fork server they came from
+    end within seconds (they once trained on to the end: the workers kept the fork server
+    alive, and the parent-death signal was the fork server's)."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "ako", "train", "--strategy", "allreduce", "--workers", "2", "--dataset", "digits",
+           "--epochs", "400", "--out-dir", str(tmp_path / "runs"), "--no-progress"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    under = []
+    try:
+        deadline = time.monotonic() + 90
+        for rank in range(2):
+            find_process(f"ako-rank{rank}", proc.pid, deadline)
+        under = descendants(proc.pid)
+        proc.kill()
+        proc.wait()
+        assert len(under) >= 3 and gone(under, within=5.0), "a process is left"
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid in under:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm to the group"])

@@ -22,7 +22,7 @@ from ako.cli import main
 from ako.config import TrainConfig, validate
 from ako.data import load_dataset
 from ako.optim import Optimization
-from helpers import single_process_sgd, small_config
+from helpers import orphans_since, session, single_process_sgd, small_config
 from own_training import DictNet, dict_collate, dict_loss, dict_metrics, digits_net
 
 TESTS = Path(__file__).parent
@@ -169,12 +169,15 @@ def test_a_dataloader_gives_its_data_collate_and_batch_size(tmp_path):
 
 def test_accumulation_equals_the_larger_batch_and_loader_processes_keep_the_order(tmp_path):
     """batch 8 x accumulate 2 is batch 16 (the gradient of the mean loss over the same 16
-    samples); 1 loader process per worker gives the same batches as none."""
+    samples); 1 loader process per worker gives the same batches as none, and the loader
+    processes end with their workers (they once lived on, kept by a fork server of their own)."""
     config = small_config(tmp_path, strategy="allreduce", momentum=0.0, weight_decay=0.0, nesterov=False)
     whole = ako.train(config)
+    before = session()
     accumulated = ako.train(replace(config, batch_size=8, accumulate=2, num_workers=1))
     assert accumulated.summary["iterations"] == whole.summary["iterations"] == 6
     torch.testing.assert_close(accumulated.workers[0].params, whole.workers[0].params, rtol=0, atol=1e-6)
+    assert orphans_since(before, within=5.0) == []
 
 
 def test_bf16_trains(tmp_path):

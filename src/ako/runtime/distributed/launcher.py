@@ -5,7 +5,6 @@ when one fails, so it cannot run a job that survives the loss of a worker.)"""
 
 from __future__ import annotations
 
-import ctypes
 import math
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
@@ -168,17 +167,19 @@ def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable
 
 
 class _Group:
-    """The launched processes, their result pipes, and what became of each."""
+    """The launched processes, their result pipes, what became of each, and their lifeline
+    (`_die_with_launcher`: its write end is open as long as this process lives, or `stop`)."""
 
     def __init__(self):
         self.procs: dict[int, mp.Process] = {}
         self.pipes: dict[int, object] = {}
         self.results: dict[int, object] = {}
         self.failures: dict[int, RankFailed] = {}
+        self.lifeline = os.pipe()
 
     def start(self, context, fn, args, rank: int, env: dict) -> None:
         receiver, sender = context.Pipe(duplex=False)
-        proc = context.Process(target=_child, args=(fn, args, env, _Stdio(), sender), name=f"ako-rank{rank}")
+        proc = context.Process(target=_child, args=(fn, args, env, _Inherited(self.lifeline[0]), sender), name=f"ako-rank{rank}")
         spawned = context.get_start_method() == "spawn"
         with _sigint_ignored() if spawned else nullcontext():  # inherited: Ctrl-C while it imports torch stays quiet
             proc.start()
@@ -290,15 +291,22 @@ class _Group:
                 proc.kill()
         for proc in self.procs.values():
             proc.join()
+        for fd in self.lifeline:
+            os.close(fd)
 
 
-class _Stdio:
-    """The launcher's stdout and stderr as they are when it starts a process, which takes
-    them in place of the fork server's (a test's captured output, a redirection since)."""
+class _Inherited:
+    """What a launched process takes from its launcher as a spawned one would inherit it:
+    stdout and stderr as they are at the launch (not the fork server's: a test's captured
+    output, a redirection since), and `lifeline`, the read end of a pipe whose write end only
+    the launcher holds. Unpickled in the process, it is the lifeline's descriptor there."""
+
+    def __init__(self, lifeline: int):
+        self.lifeline = lifeline
 
     def __reduce__(self):
-        fds = [mp_reduction.DupFd(fd) if _is_open(fd) else None for fd in (1, 2)]
-        return _adopt_stdio, tuple(fds)
+        stdio = [mp_reduction.DupFd(fd) if _is_open(fd) else None for fd in (1, 2)]
+        return _adopt, (*stdio, mp_reduction.DupFd(self.lifeline))
 
 
 def _is_open(fd: int) -> bool:
@@ -309,20 +317,32 @@ def _is_open(fd: int) -> bool:
     return True
 
 
-def _adopt_stdio(*fds) -> None:
-    for target, fd in enumerate(fds, start=1):
+def _adopt(stdout, stderr, lifeline) -> int:
+    for target, fd in ((1, stdout), (2, stderr)):
         if fd is not None:
             source = fd.detach()
             os.dup2(source, target)
             os.close(source)
+    return lifeline.detach()
 
 
-def _child(fn, args, env: dict, _stdio, pipe) -> None:
-    """A launched process: die with the launcher, leave Ctrl-C to it (it stops every process
-    at once, and only it reports), take the launcher's environment, run, send the result.
-    (`_stdio` did its part as it was unpickled: stdout and stderr are the launcher's.)"""
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+def _die_with_launcher(lifeline: int) -> None:
+    """A launched process's thread: reading the lifeline ends only when no process holds its
+    write end, that is when the launcher has died; then this process dies too (SIGKILL, as a
+    parent-death signal would: the process's parent is the fork server, which lives on)."""
+    while os.read(lifeline, 1):  # nothing is ever written
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _child(fn, args, env: dict, lifeline: int, pipe) -> None:
+    """A launched process: die with the launcher (`lifeline`, from `_Inherited`, which has
+    made stdout and stderr the launcher's), leave Ctrl-C to it (it stops every process at once,
+    and only it reports), take the launcher's environment, run, send the result."""
+    threading.Thread(target=_die_with_launcher, args=(lifeline,), name="ako-lifeline", daemon=True).start()
+    # Processes of its own (a DataLoader's) are spawned: a fork server of its own would live
+    # as long as its loader processes, which die only with it.
+    mp.set_start_method("spawn", force=True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(END, _end_now)  # while training it has rank 0 log its metrics first (`process._endable`)
     # SIGTERM to the whole group (`timeout`, a scheduler) ends rank 0 as the launcher does, the others at once
