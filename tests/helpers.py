@@ -235,13 +235,20 @@ def session() -> set[int]:
 
 
 def gone(pids: list[int], within: float) -> bool:
-    """Whether every process in `pids` has ended (and been reaped) within `within` seconds."""
+    """Whether every process in `pids` has ended (a zombie has) within `within` seconds."""
     deadline = time.monotonic() + within
-    while any(Path(f"/proc/{pid}").exists() for pid in pids):
+    while any(_running(pid) for pid in pids):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
     return True
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def wait_for_metrics(out_dir: Path, deadline: float) -> None:

@@ -272,7 +272,7 @@ def test_a_killed_launcher_takes_every_process_with_it(tmp_path):
         under = descendants(proc.pid)
         proc.kill()
         proc.wait()
-        assert len(under) >= 3 and gone(under, within=5.0), "a process is left"
+        assert len(under) >= 3 and gone(under, within=2.0), "a process is left"
     finally:
         proc.kill()
         proc.wait()
