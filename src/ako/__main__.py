@@ -35,7 +35,7 @@ def _skip_teardown() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # the reader left, or the stream is closed
+        except (OSError, ValueError, AttributeError):  # the reader left, the stream is closed, or None
             pass
     os._exit(_status)
 

@@ -346,11 +346,12 @@ def _say_interrupted(more: str = "") -> None:
 def console() -> NoReturn:
     """The `ako` console script and `python -m ako` (through `ako.__main__`): `main`, then exit
     with its status (1 when stdout's reader left early, without a traceback).
-    Ctrl-C and SIGTERM are ignored from then on: the command is done, and Python's own exit
-    (0.6 s with torch loaded) would otherwise end killed by the signal, without a word."""
+    Ctrl-C and SIGTERM are ignored from then on: the command is done, and Python's exit would
+    otherwise end killed by the signal, without a word."""
     try:
         code = main()
-        sys.stdout.flush()
+        if sys.stdout is not None:  # None when started with stdout closed
+            sys.stdout.flush()
     except BrokenPipeError:  # `ako info | head -1`: the reader left; Python's exit would flush again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = EXIT_FAILED

@@ -4,6 +4,8 @@ the samples waiting from a partial step (A-BSP's, or Ako's behind a straggler)."
 from __future__ import annotations
 
 import ctypes
+import functools
+import os
 import signal
 import sys
 from itertools import count
@@ -80,7 +82,7 @@ class DataCursor:
         micro_batches = ([c.tolist() for c in self.sampler.stream(start + k * size, size).split(self.micro)] for k in count())
         order = _Chunks(micro_batches)
         return DataLoader(self.train_set, batch_sampler=order, collate_fn=self.collate_fn or default_collate,
-                          num_workers=self.num_workers, timeout=self.timeout, worker_init_fn=_die_with_parent)  # fmt: skip
+                          num_workers=self.num_workers, timeout=self.timeout, worker_init_fn=functools.partial(_die_with_parent, os.getpid()))  # fmt: skip
 
     def next_assignment(self) -> tuple[torch.Tensor, torch.Tensor]:
         """A partial step's samples (indices int64 (B,)): those left waiting last time first,
@@ -121,11 +123,14 @@ class DataCursor:
             self.taken = self.step * self.batch_size
 
 
-def _die_with_parent(_worker_id: int) -> None:
-    """A loader process ends when its worker does (Linux): a failed worker leaves the run at
-    once, and a loader stuck in the user's __getitem__ must not outlive it."""
+def _die_with_parent(parent: int, _worker_id: int) -> None:
+    """A loader process ends when its worker (pid `parent`) does (Linux): a failed worker
+    leaves the run at once, and a loader stuck in the user's __getitem__ must not outlive it;
+    nor one whose worker died while it was starting (loading torch), before this ran."""
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
 
 
 class _Chunks:

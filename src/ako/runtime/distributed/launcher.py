@@ -108,7 +108,8 @@ def _convert(result: WorkerResult, kind: type, convert) -> WorkerResult:
 def _exit_now(status: int) -> None:
     """Exit without interpreter teardown: receive threads may still be blocked in a Gloo recv
     from a dead peer, and tearing down under them aborts the process."""
-    sys.stdout.flush()
+    if sys.stdout is not None:  # None when the launcher's stdout was closed
+        sys.stdout.flush()
     quiet.drain()
     os._exit(status)
 
@@ -290,7 +291,7 @@ class _Group:
             if proc.is_alive():
                 proc.kill()
         for proc in self.procs.values():
-            proc.join()
+            proc.join(_GRACE)  # bounded: only the fork server can tell that a process ended
         for fd in self.lifeline:
             os.close(fd)
 
@@ -305,24 +306,33 @@ class _Inherited:
         self.lifeline = lifeline
 
     def __reduce__(self):
-        stdio = [mp_reduction.DupFd(fd) if _is_open(fd) else None for fd in (1, 2)]
+        stdio = [mp_reduction.DupFd(_stdio_fd(stream, fd)) for stream, fd in ((sys.stdout, 1), (sys.stderr, 2))]
         return _adopt, (*stdio, mp_reduction.DupFd(self.lifeline))
 
 
-def _is_open(fd: int) -> bool:
+_devnull: int | None = None
+
+
+def _stdio_fd(stream, fd: int) -> int:
+    """`fd` (1 or 2), or /dev/null's when this process started without it (`stream`, Python's
+    stdout or stderr, is then None): another file has its number by now (an epoll's), which
+    is no place to print."""
+    global _devnull
     try:
-        os.fstat(fd)
+        if stream is not None and os.fstat(fd):
+            return fd
     except OSError:
-        return False
-    return True
+        pass
+    if _devnull is None:
+        _devnull = os.open(os.devnull, os.O_WRONLY)
+    return _devnull
 
 
 def _adopt(stdout, stderr, lifeline) -> int:
     for target, fd in ((1, stdout), (2, stderr)):
-        if fd is not None:
-            source = fd.detach()
-            os.dup2(source, target)
-            os.close(source)
+        source = fd.detach()
+        os.dup2(source, target)
+        os.close(source)
     return lifeline.detach()
 
 
