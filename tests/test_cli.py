@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -283,3 +284,15 @@ def test_the_installed_ako_script_trains(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     assert "ako allreduce: 2 workers, cnn on digits" in proc.stdout, proc.stdout
+
+
+def test_a_run_started_with_stdout_closed_finishes(tmp_path):
+    """`ako train ... >&-`: by the launch another file (an epoll's) had number 1, and the
+    workers took it as their stdout: a finished run failed with `Invalid argument`. They now
+    print to /dev/null, and the run ends as it should, its outputs written."""
+    cmd = [sys.executable, "-m", "ako", "train", "--strategy", "allreduce", "--workers", "2", "--dataset", "digits",
+           "--epochs", "0.1", "--out-dir", str(tmp_path), "--no-progress"]  # fmt: skip
+    proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, timeout=120, preexec_fn=lambda: os.close(1))
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    (run_dir,) = tmp_path.glob("*")
+    assert (run_dir / "summary.json").exists() and (run_dir / "model.pt").exists()
