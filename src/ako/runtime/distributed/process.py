@@ -179,6 +179,8 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         run_dir, point = _run_dir(job, data, rank, store, runtime, identity, replica.buffer_layout())
     log = open_log(run_dir, config) if rank == 0 else None
     saved = checkpoint.load(run_dir, point, rank) if point is not None else None
+    # now: the newer checkpoints of a long run take the place of this one's directory
+    restarted = checkpoint.stand_ins(run_dir, point) if point is not None else []
     if saved is not None:
         checkpoint.check(saved, identity, str(checkpoint.path(run_dir, point, rank)), contents=True)
     checkpoints = None
@@ -233,7 +235,6 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     result = WorkerResult(rank, replica.params.cpu().clone(), facts)
     if rank == 0:
         lost = runtime.mailbox.losses()
-        restarted = checkpoint.stand_ins(run_dir, point) if point is not None else []
         result.summary, result.model = final_summary(job, data, state, reports, finals, facts, lost, run_dir, point, restarted)
         publish(run_dir, result.summary)
     return result, bool(runtime.mailbox.lost)
