@@ -362,6 +362,67 @@ def test_an_evaluation_on_the_gradients_threads_equals_one_on_this_thread(model)
     assert together == alone and set(alone) == {"loss", "accuracy"}
     assert replica.evaluate(test, batch_size=64) == alone  # after the threads are stopped, on this one
 
+class _NormedNet(torch.nn.Module):
+    """A user's model with buffers (BatchNorm's running statistics), which evaluations use."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.norm, self.b = torch.nn.Linear(64, 20), torch.nn.BatchNorm1d(20), torch.nn.Linear(20, 10)
+
+    def forward(self, x):
+        return self.b(self.norm(self.a(x.flatten(1))))
+
+
+def test_parameters_evaluated_before_are_not_evaluated_again():
+    """`evaluate_params` evaluates the same parameters (and buffers) on the same data set once:
+    a copy gets the first metrics, equal; one bit of a parameter or a buffer changed, or another
+    data set with the same samples, is evaluated afresh. The replica's own parameters stay."""
+    torch.manual_seed(0)
+    calls = []
+
+    def counting(model, batch):
+        calls.append(1)
+        return ako.replica.classification_metrics(model, batch)
+
+    replica = make_replica(_NormedNet(), TrainConfig(dataset="digits"))
+    replica.eval_fn = counting
+    generator = torch.Generator().manual_seed(1)
+    samples = (torch.randn(100, 1, 8, 8, generator=generator), torch.randint(0, 10, (100,), generator=generator))
+    test = torch.utils.data.TensorDataset(*samples)
+    own = replica.params.clone()
+    params = own + 0.01 * torch.randn(own.shape, generator=generator)
+    first = replica.evaluate_params(params, test, batch_size=64)
+    assert len(calls) == 2 and torch.equal(replica.params, own)
+    assert replica.evaluate_params(params.clone(), test, batch_size=64) == first and len(calls) == 2
+    changed = params.clone()
+    changed[7] = torch.nextafter(changed[7], torch.tensor(1.0))
+    replica.evaluate_params(changed, test, batch_size=64)
+    assert len(calls) == 4
+    replica.model.norm.running_mean[0] += 1.0
+    assert replica.evaluate_params(params, test, batch_size=64) != first and len(calls) == 6
+    replica.evaluate_params(params, torch.utils.data.TensorDataset(*samples), batch_size=64)
+    assert len(calls) == 8
+
+
+@pytest.mark.parametrize("strategy", ["ako", "gossip"])
+def test_a_simulated_run_evaluates_no_parameters_twice(tmp_path, strategy, monkeypatch):
+    """Identical replicas (all of them at the start) are evaluated once: their average's record
+    fields are rank 0's, and no parameters are evaluated twice in a run."""
+    evaluated = []
+    evaluate = ako.replica.Replica.evaluate
+
+    def recording(self, dataset, batch_size=256):
+        evaluated.append(self.params.clone())
+        return evaluate(self, dataset, batch_size)
+
+    monkeypatch.setattr(ako.replica.Replica, "evaluate", recording)
+    result = simulate(tmp_path, strategy=strategy, workers=3, eval_every=0.25, **COSTS)
+    records = [json.loads(line) for line in Path(result.summary["run_dir"], "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in records if "average_accuracy" in r)
+    assert first["consensus_distance"] == 0 and first["average_loss"] == first["test_loss"]
+    assert len(records) >= 3 and all(not torch.equal(a, b) for i, a in enumerate(evaluated) for b in evaluated[:i])
+
+
 @pytest.mark.parametrize("strategy", ["absp", "ako", "allreduce", "asp", "bsp", "easgd", "gossip", "ssp"])
 def test_one_or_two_threads_give_the_same_run(tmp_path, strategy):
     """A whole short simulated run (a straggler, a costed network) with torch's one thread and
