@@ -423,6 +423,28 @@ def test_a_simulated_run_evaluates_no_parameters_twice(tmp_path, strategy, monke
     assert len(records) >= 3 and all(not torch.equal(a, b) for i, a in enumerate(evaluated) for b in evaluated[:i])
 
 
+@pytest.mark.parametrize("strategy", ["ako", "allreduce", "easgd", "gossip"])
+def test_after_training_a_bar_counts_the_evaluations_left(tmp_path, strategy, monkeypatch, capsys):
+    """With a progress bar, rank 0 shows one over the evaluations after training, whose total
+    is exact: the snapshots and their averages, the final replicas' average, Ako's model before
+    the flush, EASGD's centre."""
+    from ako.run.worker import WorkerState
+
+    seen = []
+    close = WorkerState.close_bar
+
+    def closing(self):
+        if self.bar is not None and self.bar.desc == "evaluating":
+            seen.append((self.bar.n, self.bar.total))
+        close(self)
+
+    monkeypatch.setattr(WorkerState, "close_bar", closing)
+    servers = {"servers": 1} if STRATEGIES[strategy].server is not None else {}
+    simulate(tmp_path, strategy=strategy, eval_every=0.25, progress=True, **COSTS, **servers)
+    total = {"ako": 3 + 2 + 1 + 1, "allreduce": 3, "easgd": 3 + 2 + 1 + 1, "gossip": 3 + 2 + 1}[strategy]
+    assert seen == [(total, total)] and "evaluating" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("strategy", ["absp", "ako", "allreduce", "asp", "bsp", "easgd", "gossip", "ssp"])
 def test_one_or_two_threads_give_the_same_run(tmp_path, strategy):
     """A whole short simulated run (a straggler, a costed network) with torch's one thread and
@@ -464,7 +486,7 @@ def test_the_progress_bar_counts_every_worker_s_steps_in_virtual_time(tmp_path, 
     """asp with a straggler 3x slower: the bar's count is both workers' steps (6 each), not
     rank 0's, and it shows the virtual seconds and their rate in virtual seconds per real one."""
     result = simulate(tmp_path, strategy="asp", servers=1, straggler=("rank=1,factor=3",), progress=True, **COSTS)
-    bar = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    bar = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "step" in line][-1]
     assert "12/12" in bar and f"virtual={result.summary['simulation']['virtual_seconds']:.3g} s" in bar and "virtual/real=" in bar
 
 

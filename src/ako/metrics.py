@@ -123,7 +123,7 @@ def objective(goal, metrics) -> tuple[str, bool]:
 
 def format_summary(s: dict) -> str:
     """The summary as the lines printed at the end of a run."""
-    evaluating = s["wall_seconds"] - s["train_seconds"]
+    evaluating = s.get("evaluation_seconds", s["wall_seconds"] - s["train_seconds"])  # a simulation's take no virtual time
     paused = f" (+ {evaluating:.1f} s evaluating)" if evaluating >= 0.05 else ""
     sec = _unit(s)
     lines = [

@@ -4,6 +4,7 @@ with the consensus distance of the replicas where they differ (`ako.run.consensu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +47,13 @@ class Evaluator:
         self.replica, self.test_set, self.log, self.world_size = replica, test_set, log, world_size
         self.consensus, self.eager = consensus, eager
         self.snapshots: list[_Snapshot] = []  # awaiting evaluation or logging, oldest first
+        self.tick: Callable[[], None] = lambda: None  # called after each evaluation of the test set
+
+    def pending(self) -> int:
+        """How many evaluations of the test set the snapshots kept still need: their own, and
+        their replicas' average where replicas differ."""
+        averages = sum(s.point is not None for s in self.snapshots) if self.consensus is not None else 0
+        return sum(s.metrics is None for s in self.snapshots) + averages
 
     def keep(self, record: dict, point: int | None, extra: dict | None = None) -> bool:
         """Keep a copy of the replica with its progress `record` at evaluation point `point`
@@ -70,6 +78,7 @@ class Evaluator:
             if s.metrics is None:
                 s.metrics = self.replica.evaluate_params(s.params, self.test_set)
                 s.record.update(prefixed("test", s.metrics))
+                self.tick()
                 if each:
                     self.log_ready(final)
             metrics = s.metrics
@@ -94,6 +103,7 @@ class Evaluator:
         (weighted) average: the fields the records add where replicas differ."""
         distance, average = consensus_distance([r.to(self.replica.params.device) for r in replicas], weights)
         metrics = self.replica.evaluate_params(average, self.test_set)
+        self.tick()
         return {"replicas": len(replicas), "consensus_distance": float(f"{distance:.4g}"), **prefixed("average", metrics)}
 
 

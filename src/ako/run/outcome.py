@@ -81,6 +81,7 @@ def final_model(state: WorkerState, unflushed: torch.Tensor, final: dict, test_s
     run's objective (`metrics.objective`: its target's metric, else accuracy, else loss; a
     flush that averages replicas which drifted apart can make the model worse: it is reported)."""
     metrics = state.replica.evaluate_params(unflushed.to(state.replica.params.device), test_set)
+    state.evaluator.tick()
     name, higher = objective(state.goal, metrics)
     flushed, mine = final.get(f"test_{name}"), round(metrics[name], 5)
     worse = _better(mine, flushed, higher)  # a tie keeps the flushed replicas
@@ -107,6 +108,7 @@ def final_summary(
 the lost ranks (`Mailbox.losses`). `resumed`: the step of the checkpoint the run resumed from, if any; `restarted`: the
 workers lost before it, which began again as copies of rank 0's part.
     Writes model.pt (`save_model`); returns the summary and that model, flat (numel,)."""
+    state.evaluations_ahead(bool(finals) + (facts.get("centre") is not None) + (facts.get("unflushed") is not None))
     end = {}
     if finals:
         weights = [float(r.get("average_weight", 1.0)) for r in reports if r["role"] == "worker"]
@@ -120,9 +122,11 @@ workers lost before it, which began again as copies of rank 0's part.
         summary.update(job.strategy.summarise(reports))
     if facts.get("centre") is not None:
         centre = state.replica.evaluate_params(facts["centre"].to(state.replica.params.device), data.test)
+        state.evaluator.tick()
         summary.update(prefixed("centre", centre))
     if facts.get("unflushed") is not None:
         summary["final_model"] = final_model(state, facts["unflushed"], final, data.test)
+    state.close_bar()
     source, model, measured = handed_back(summary, facts, state, finals, reports, final, end)
     summary["saved_model"] = save_model(run_dir, state.replica, model, source, data, measured)
     state.evaluator.log.close()

@@ -97,7 +97,8 @@ class WorkerState:
         self.resumed = (0, 0.0)  # (step, training seconds) this process started from
         self.resumed_wall = 0.0
         self.bar = None
-        if rank == 0 and progress_bar:  # the simulator draws its own (`ako.runtime.simulated.progress`)
+        self.evaluation_bar = rank == 0 and progress_bar  # after training: a bar over the evaluations left
+        if self.evaluation_bar:  # the simulator draws its own (`ako.runtime.simulated.progress`)
             tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock: a killed worker would leak it
             self.bar = tqdm(total=self.planned_steps, unit="step")
 
@@ -214,11 +215,25 @@ class WorkerState:
         except Exception:  # a peer's copy that cannot come, a broken evaluation: keep what is logged
             pass
 
+    def evaluations_ahead(self, extra: int) -> None:
+        """Rank 0, after training: the training bar ends; with `evaluation_bar`, a bar counts
+        the evaluations of the test set left (the snapshots kept, the final replica's in `finish`,
+        and `extra` more), until `close_bar`: without it, minutes could pass in silence."""
+        self.close_bar()
+        if self.evaluation_bar:
+            self.bar = tqdm(total=self.evaluator.pending() + 1 + extra, desc="evaluating", unit="evaluation", leave=False)
+            self.evaluator.tick = self.bar.update
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.evaluator is not None:
+            self.evaluator.tick = lambda: None
+
     def finish(self, final_fields: dict | None = None) -> dict:
         """Rank 0, after training (clock stopped): evaluate and log the remaining snapshots and
         the final replica, whose record gets `final_fields` as well; returns the final record."""
-        if self.bar is not None:
-            self.bar.close()
         self.evaluator.keep(self._progress_record(), None, extra=final_fields)
         self._evaluate(final=True)
         return self.evaluator.log.records[-1]

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
@@ -235,7 +236,10 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     result = WorkerResult(rank, replica.params.cpu().clone(), facts)
     if rank == 0:
         lost = runtime.mailbox.losses()
+        finishing = time.perf_counter()
         result.summary, result.model = final_summary(job, data, state, reports, finals, facts, lost, run_dir, point, restarted)
+        s = result.summary  # evaluations during training (the clock's pauses) and after it
+        s["evaluation_seconds"] = round(s["wall_seconds"] - s["train_seconds"] + time.perf_counter() - finishing, 3)
         publish(run_dir, result.summary)
     return result, bool(runtime.mailbox.lost)
 

@@ -102,6 +102,7 @@ def _start(runtime: SimulatedRuntime, job: Job, data: Data, replicas: list, run_
     rank0.replica.map_batches = runtime.gradients.map
     runtime.progress = Progress(runtime.env, rank0.planned_steps * n, config.progress,
                                 lambda: rank0.evaluator.log.records[-1] if rank0.evaluator.log.records else None)  # fmt: skip
+    rank0.evaluation_bar = not runtime.progress.bar.disable  # and, after it, one over the evaluations left
 
 
 def _simulation_facts(runtime: SimulatedRuntime, costs: Costs, reports: list[dict], end: float, real: float,
