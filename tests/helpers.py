@@ -21,7 +21,7 @@ from ako.data import ShardSampler, fetch, load_dataset
 from ako.models import build_model
 from ako.config import SIMULATE_OPTIONS, TRAIN_OPTIONS, validate
 from ako.optim import Optimization
-from ako.replica import Replica, classification_metrics
+from ako.replica import Replica
 from ako.runtime.distributed import checkpoint
 from ako.strategies import STRATEGIES, Strategy, gossip
 from ako.strategies import ako as ako_strategy
@@ -102,12 +102,6 @@ class DigitsAsList(torch.utils.data.Dataset):
 def digits_cnn() -> torch.nn.Module:
     """A user's model factory: here the registry's cnn for 8x8 digits."""
     return build_model("cnn", (1, 8, 8), 10)
-
-
-def slow_metrics(model, batch) -> dict:
-    """A user's evaluation that takes 0.1 s a batch more than the built-in one."""
-    time.sleep(0.1)
-    return classification_metrics(model, batch)
 
 
 def _perturbed_lr0(ctx):

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ako.data import load_dataset
+from ako.replica import classification_metrics
 
 
 def digits_net() -> nn.Module:
@@ -99,6 +100,12 @@ def bad_sample_sets():
             raise IndexError(f"sample {i} is missing")
 
     return Broken(), digits_sets()[1]
+
+
+def slow_metrics(model, batch):
+    """The built-in evaluation, 0.5 s slower a batch."""
+    time.sleep(0.5)
+    return classification_metrics(model, batch)
 
 
 def text_metrics(model, batch):

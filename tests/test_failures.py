@@ -281,6 +281,36 @@ def test_a_killed_launcher_takes_every_process_with_it(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_ctrl_c_while_rank_0_evaluates_after_training_keeps_what_it_evaluated(tmp_path):
+    """Without a target rank 0 evaluates its snapshots after training (here 23, 0.5 s each):
+    Ctrl-C then gives it the same 5 s as during training, and the records it evaluated are in
+    metrics.jsonl (they were logged only once all were evaluated: a run interrupted there kept
+    none); exit status 130, one line."""
+    import subprocess
+
+    out_dir = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "ako", "train", "--strategy", "allreduce", "--workers", "2", "--dataset", "digits",
+           "--test-samples", "100", "--epochs", "2", "--eval-every", "0.1", "--eval-fn", "own_training:slow_metrics",
+           "--out-dir", str(out_dir), "--progress"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint, env=env)
+    try:
+        seen = b""
+        while b"evaluating:" not in seen and (chunk := proc.stderr.read1(4096)):
+            seen += chunk
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 130 and err.decode().endswith("evaluation/s]ako: interrupted\n")  # not a terminal: no new line
+    (run_dir,) = out_dir.glob("*")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r["epoch"] for r in records]
+    assert 5 <= len(records) < 21 and epochs == sorted(set(epochs)) and epochs[0] == 0
+    assert not (run_dir / "summary.json").exists()
+
+
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm to the group"])
 @pytest.mark.parametrize("strategy", ["ako", "allreduce"])
 def test_ctrl_c_keeps_the_metrics_so_far_and_ends_every_process(tmp_path, strategy, how):

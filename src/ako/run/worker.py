@@ -128,7 +128,8 @@ class WorkerState:
             self.on_target()
 
     def _evaluate(self, final: bool = False) -> dict:
-        metrics = self.evaluator.evaluate(final)
+        # after training, each record is logged as soon as it is known: Ctrl-C then keeps them
+        metrics = self.evaluator.evaluate(final, each=final)
         if self.bar is not None and metrics:
             name = self.goal.metric if self.goal is not None else "accuracy" if "accuracy" in metrics else next(iter(metrics))
             self.bar.set_postfix({name[:8]: f"{metrics[name]:.4f}", "epoch": f"{self.cursor.epoch:.2f}"})
