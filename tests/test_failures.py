@@ -281,6 +281,9 @@ def test_a_killed_launcher_takes_every_process_with_it(tmp_path):
                 os.kill(pid, signal.SIGKILL)
 
 
+STOPPING = "ako: stopping: rank 0 logs the evaluations it has first (up to 5 s; Ctrl-C again stops it at once)\n"
+
+
 def test_ctrl_c_while_rank_0_evaluates_after_training_keeps_what_it_evaluated(tmp_path):
     """Without a target rank 0 evaluates its snapshots after training (here 23, 0.5 s each):
     Ctrl-C then gives it the same 5 s as during training, and the records it evaluated are in
@@ -303,7 +306,7 @@ def test_ctrl_c_while_rank_0_evaluates_after_training_keeps_what_it_evaluated(tm
     finally:
         proc.kill()
         proc.wait()
-    assert proc.returncode == 130 and err.decode().endswith("evaluation/s]ako: interrupted\n")  # not a terminal: no new line
+    assert proc.returncode == 130 and STOPPING in err.decode() and err.decode().endswith("evaluation/s]ako: interrupted\n")
     (run_dir,) = out_dir.glob("*")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     epochs = [r["epoch"] for r in records]
@@ -343,7 +346,7 @@ def test_ctrl_c_keeps_the_metrics_so_far_and_ends_every_process(tmp_path, strate
     finally:
         proc.kill()
         proc.wait()
-    assert proc.returncode == 130 and err == "ako: interrupted\n", err
+    assert proc.returncode == 130 and err == STOPPING + "ako: interrupted\n", err
     assert ended < 10, f"{ended:.1f} s from the signal to the end"
     (run_dir,) = out_dir.glob("*")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

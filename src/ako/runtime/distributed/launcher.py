@@ -243,7 +243,11 @@ class _Group:
 
     def interrupted(self) -> bool:
         """Ctrl-C: rank 0 logs the metrics it has first (`_wind_up`; a second Ctrl-C stops it
-        at once). Returns whether it handed in its result meanwhile (it was past training)."""
+        at once), and a line says so at once. Returns whether it handed in its result meanwhile
+        (it was past training)."""
+        if self.procs[0].exitcode is None and 0 not in self.results and 0 not in self.failures:
+            print(f"{chr(10) if sys.stderr.isatty() else ''}ako: stopping: rank 0 logs the evaluations it has first "
+                  f"(up to {_GRACE:g} s; Ctrl-C again stops it at once)", file=sys.stderr, flush=True)  # fmt: skip
         self._wind_up({rank for rank, proc in self.procs.items() if proc.exitcode is None})
         for rank in self.procs:
             self._read(rank)
