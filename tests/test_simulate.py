@@ -363,19 +363,21 @@ def test_an_evaluation_on_the_gradients_threads_equals_one_on_this_thread(model)
     assert replica.evaluate(test, batch_size=64) == alone  # after the threads are stopped, on this one
 
 class _NormedNet(torch.nn.Module):
-    """A user's model with buffers (BatchNorm's running statistics), which evaluations use."""
+    """A user's model with buffers (BatchNorm's running statistics, and one outside the state
+    dict), which evaluations use."""
 
     def __init__(self):
         super().__init__()
         self.a, self.norm, self.b = torch.nn.Linear(64, 20), torch.nn.BatchNorm1d(20), torch.nn.Linear(20, 10)
+        self.register_buffer("temperature", torch.ones(1), persistent=False)  # not in the state dict
 
     def forward(self, x):
-        return self.b(self.norm(self.a(x.flatten(1))))
+        return self.b(self.norm(self.a(x.flatten(1)))) / self.temperature
 
 
 def test_parameters_evaluated_before_are_not_evaluated_again():
     """`evaluate_params` evaluates the same parameters (and buffers) on the same data set once:
-    a copy gets the first metrics, equal; one bit of a parameter or a buffer changed, or another
+    a copy gets the first metrics, equal; one bit of a parameter or a buffer (persistent or not) changed, or another
     data set with the same samples, is evaluated afresh. The replica's own parameters stay."""
     torch.manual_seed(0)
     calls = []
@@ -400,8 +402,11 @@ def test_parameters_evaluated_before_are_not_evaluated_again():
     assert len(calls) == 4
     replica.model.norm.running_mean[0] += 1.0
     assert replica.evaluate_params(params, test, batch_size=64) != first and len(calls) == 6
-    replica.evaluate_params(params, torch.utils.data.TensorDataset(*samples), batch_size=64)
+    replica.model.temperature.fill_(2.0)  # a buffer outside the state dict (found by a breaker's trial)
+    replica.evaluate_params(params, test, batch_size=64)
     assert len(calls) == 8
+    replica.evaluate_params(params, torch.utils.data.TensorDataset(*samples), batch_size=64)
+    assert len(calls) == 10
 
 
 @pytest.mark.parametrize("strategy", ["ako", "gossip"])

@@ -203,7 +203,8 @@ class Replica:
 
     def evaluate_params(self, params: torch.Tensor, dataset, batch_size: int = 256) -> dict:
         """`evaluate` with `params` (numel,) in place of this replica's own, which are kept.
-        Parameters evaluated before on `dataset` (the same bytes, and the same buffers) are not
+        Parameters evaluated before on `dataset` (the same bytes, and the same buffers, in the
+        state dict or not) are not
         evaluated again: their metrics are remembered by a digest (BLAKE2b, 128 bits) of those
         bytes. Identical replicas make this common: their average is rank 0's replica at the
         start, and after Ako's flush. (A user's `eval_fn` that draws random numbers gets its
@@ -222,9 +223,10 @@ class Replica:
         return metrics
 
     def _digest(self, params: torch.Tensor) -> bytes:
-        """A digest of `params`' bytes and the module's buffers' (what an evaluation depends on)."""
+        """A digest of `params`' bytes and the module's buffers' (persistent or not: what an
+        evaluation depends on)."""
         h = hashlib.blake2b(digest_size=16)
-        for t in (params, *self._buffer_state().values()):
+        for t in (params, *self.model.buffers()):
             h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
         return h.digest()
 
