@@ -314,6 +314,36 @@ def test_ctrl_c_while_rank_0_evaluates_after_training_keeps_what_it_evaluated(tm
     assert not (run_dir / "summary.json").exists()
 
 
+def test_ctrl_c_while_rank_0_finishes_its_evaluations_ends_when_they_do(tmp_path):
+    """Ctrl-C while rank 0 evaluates after training, with less than the 5 s grace left (3
+    snapshots, 0.5 s each): it hands in its result and the run ends with its summary. It used
+    to end only after the whole grace: the launcher waited for rank 0 to exit without reading
+    its result, which, larger than the pipe's buffer, held rank 0 in its send (found by a
+    breaker's trial)."""
+    import subprocess
+
+    out_dir = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "ako", "train", "--strategy", "allreduce", "--workers", "2", "--dataset", "digits",
+           "--test-samples", "100", "--epochs", "0.5", "--eval-every", "0.25", "--eval-fn", "own_training:slow_metrics",
+           "--out-dir", str(out_dir), "--progress"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint, env=env)
+    try:
+        seen = b""
+        while b"evaluating:" not in seen and (chunk := proc.stderr.read1(4096)):
+            seen += chunk
+        proc.send_signal(signal.SIGINT)
+        interrupted = time.monotonic()
+        out, _ = proc.communicate(timeout=30)
+        ended = time.monotonic() - interrupted
+    finally:
+        proc.kill()
+        proc.wait()
+    (run_dir,) = out_dir.glob("*")
+    assert proc.returncode == 0 and b"saved model" in out and (run_dir / "summary.json").exists()
+    assert ended < 4.5, f"{ended:.1f} s from Ctrl-C to the end: the 5 s grace was waited out"
+
+
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm to the group"])
 @pytest.mark.parametrize("strategy", ["ako", "allreduce"])
 def test_ctrl_c_keeps_the_metrics_so_far_and_ends_every_process(tmp_path, strategy, how):

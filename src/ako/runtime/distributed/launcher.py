@@ -267,7 +267,12 @@ class _Group:
             os.kill(pid, END)
         except ProcessLookupError:
             return
-        self.procs[0].join(_GRACE)
+        deadline = time.monotonic() + _GRACE
+        while self.procs[0].exitcode is None and (left := deadline - time.monotonic()) > 0:
+            # read as it waits: a result larger than the pipe's buffer would hold rank 0 in its send
+            handed_in = 0 in self.results or 0 in self.failures
+            mp_connection.wait([self.procs[0].sentinel] + ([] if handed_in else [self.pipes[0]]), timeout=left)
+            self._read(0)
 
     def _give_up(self, running: set[int], survivable: set[int], role, timeout: float) -> None:
         """Rank 0 is done and these have not ended within `timeout`: fail on the first that
@@ -333,10 +338,14 @@ def _stdio_fd(stream, fd: int) -> int:
 
 
 def _adopt(stdout, stderr, lifeline) -> int:
-    for target, fd in ((1, stdout), (2, stderr)):
-        source = fd.detach()
+    sources = [stdout.detach(), stderr.detach()]  # one descriptor, when both are /dev/null
+    for target, source in zip((1, 2), sources):
         os.dup2(source, target)
+    for source in set(sources) - {1, 2}:
         os.close(source)
+    for name, fd in (("stdout", 1), ("stderr", 2)):  # None where the fork server began without it
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, "w", buffering=1, closefd=False))
     return lifeline.detach()
 
 

@@ -12,6 +12,7 @@ is then an upper bound.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 
@@ -27,6 +28,7 @@ class Progress:
 
     def __init__(self, env: simpy.Environment, total: int, shown: bool | None, last_metrics: Callable[[], dict | None]):
         self.env, self.last_metrics = env, last_metrics
+        shown = False if sys.stderr is None else shown  # started with stderr closed
         self.bar = tqdm(total=total, unit="step", disable=None if shown is None else not shown)
         self.started = self.shown_at = time.perf_counter()
 
