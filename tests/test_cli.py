@@ -290,20 +290,17 @@ def _closing(*fds):
     return lambda: [os.close(fd) for fd in fds]
 
 
-@pytest.mark.parametrize("command", ["train", "simulate"])
-def test_a_run_started_with_stdout_or_stderr_closed_finishes(tmp_path, command):
+@pytest.mark.parametrize("command, closed", [("train", (1,)), ("train", (1, 2)), ("simulate", (2,))])
+def test_a_run_started_with_stdout_or_stderr_closed_finishes(tmp_path, command, closed):
     """`ako train ... >&-`: by the launch another file (an epoll's) had number 1, and the
     workers took it as their stdout: a finished run failed with `Invalid argument`. They now
     print to /dev/null, and the run ends as it should, its outputs written. With both closed
     (`>&- 2>&-`) the workers had no sys.stderr and failed without a word (exit 1, no run
     directory); `ako simulate --progress 2>&-` failed in its bar (found by a breaker's trial)."""
     cmd = [sys.executable, "-m", "ako", command, "--strategy", "allreduce", "--workers", "2", "--dataset", "digits",
-           "--epochs", "0.1", "--progress"]  # fmt: skip
-    proc = subprocess.run([*cmd, "--out-dir", str(tmp_path / "out")], stderr=subprocess.PIPE, text=True, timeout=120,
-                          preexec_fn=_closing(1))  # fmt: skip
-    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
-    for out_dir, fds in ((tmp_path / "err", (2,)), (tmp_path / "both", (1, 2))):
-        assert subprocess.run([*cmd, "--out-dir", str(out_dir)], timeout=120, preexec_fn=_closing(*fds)).returncode == 0
-    for out_dir in ("out", "err", "both"):
-        (run_dir,) = (tmp_path / out_dir).glob("*")
-        assert (run_dir / "summary.json").exists() and (run_dir / "model.pt").exists()
+           "--epochs", "0.1", "--progress", "--out-dir", str(tmp_path)]  # fmt: skip
+    stderr = None if 2 in closed else subprocess.PIPE
+    proc = subprocess.run(cmd, stderr=stderr, text=True, timeout=120, preexec_fn=_closing(*closed))
+    assert proc.returncode == 0 and "Traceback" not in (proc.stderr or ""), proc.stderr
+    (run_dir,) = tmp_path.glob("*")
+    assert (run_dir / "summary.json").exists() and (run_dir / "model.pt").exists()
