@@ -284,16 +284,15 @@ def test_a_killed_launcher_takes_every_process_with_it(tmp_path):
 STOPPING = "ako: stopping: rank 0 logs the evaluations it has first (up to 5 s; Ctrl-C again stops it at once)\n"
 
 
-def test_ctrl_c_while_rank_0_evaluates_after_training_keeps_what_it_evaluated(tmp_path):
-    """Without a target rank 0 evaluates its snapshots after training (here 23, 0.5 s each):
-    Ctrl-C then gives it the same 5 s as during training, and the records it evaluated are in
-    metrics.jsonl (they were logged only once all were evaluated: a run interrupted there kept
-    none); exit status 130, one line."""
+def _ctrl_c_while_evaluating(tmp_path, epochs: str, eval_every: str):
+    """Train allreduce on digits with a slow evaluation (0.5 s a snapshot), Ctrl-C as soon as
+    the bar of the evaluations after training shows; returns (exit status, stdout, stderr,
+    seconds from Ctrl-C to the end, the run directory)."""
     import subprocess
 
     out_dir = tmp_path / "runs"
     cmd = [sys.executable, "-m", "ako", "train", "--strategy", "allreduce", "--workers", "2", "--dataset", "digits",
-           "--test-samples", "100", "--epochs", "2", "--eval-every", "0.1", "--eval-fn", "own_training:slow_metrics",
+           "--test-samples", "100", "--epochs", epochs, "--eval-every", eval_every, "--eval-fn", "own_training:slow_metrics",
            "--out-dir", str(out_dir), "--progress"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint, env=env)
@@ -302,12 +301,23 @@ def test_ctrl_c_while_rank_0_evaluates_after_training_keeps_what_it_evaluated(tm
         while b"evaluating:" not in seen and (chunk := proc.stderr.read1(4096)):
             seen += chunk
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        interrupted = time.monotonic()
+        out, err = proc.communicate(timeout=30)
+        ended = time.monotonic() - interrupted
     finally:
         proc.kill()
         proc.wait()
-    assert proc.returncode == 130 and STOPPING in err.decode() and err.decode().endswith("evaluation/s]ako: interrupted\n")
     (run_dir,) = out_dir.glob("*")
+    return proc.returncode, out.decode(), err.decode(), ended, run_dir
+
+
+def test_ctrl_c_while_rank_0_evaluates_after_training_keeps_what_it_evaluated(tmp_path):
+    """Without a target rank 0 evaluates its snapshots after training (here 23, 0.5 s each):
+    Ctrl-C then gives it the same 5 s as during training, and the records it evaluated are in
+    metrics.jsonl (they were logged only once all were evaluated: a run interrupted there kept
+    none); exit status 130."""
+    code, _, err, _, run_dir = _ctrl_c_while_evaluating(tmp_path, "2", "0.1")
+    assert code == 130 and STOPPING in err and err.endswith("evaluation/s]ako: interrupted\n")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     epochs = [r["epoch"] for r in records]
     assert 5 <= len(records) < 21 and epochs == sorted(set(epochs)) and epochs[0] == 0
@@ -320,27 +330,8 @@ def test_ctrl_c_while_rank_0_finishes_its_evaluations_ends_when_they_do(tmp_path
     to end only after the whole grace: the launcher waited for rank 0 to exit without reading
     its result, which, larger than the pipe's buffer, held rank 0 in its send (found by a
     breaker's trial)."""
-    import subprocess
-
-    out_dir = tmp_path / "runs"
-    cmd = [sys.executable, "-m", "ako", "train", "--strategy", "allreduce", "--workers", "2", "--dataset", "digits",
-           "--test-samples", "100", "--epochs", "0.5", "--eval-every", "0.25", "--eval-fn", "own_training:slow_metrics",
-           "--out-dir", str(out_dir), "--progress"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=default_sigint, env=env)
-    try:
-        seen = b""
-        while b"evaluating:" not in seen and (chunk := proc.stderr.read1(4096)):
-            seen += chunk
-        proc.send_signal(signal.SIGINT)
-        interrupted = time.monotonic()
-        out, _ = proc.communicate(timeout=30)
-        ended = time.monotonic() - interrupted
-    finally:
-        proc.kill()
-        proc.wait()
-    (run_dir,) = out_dir.glob("*")
-    assert proc.returncode == 0 and b"saved model" in out and (run_dir / "summary.json").exists()
+    code, out, _, ended, run_dir = _ctrl_c_while_evaluating(tmp_path, "0.5", "0.25")
+    assert code == 0 and "saved model" in out and (run_dir / "summary.json").exists()
     assert ended < 4.5, f"{ended:.1f} s from Ctrl-C to the end: the 5 s grace was waited out"
 
 
