@@ -286,6 +286,26 @@ def test_the_installed_ako_script_trains(tmp_path):
     assert "ako allreduce: 2 workers, cnn on digits" in proc.stdout, proc.stdout
 
 
+@pytest.mark.parametrize("command", ["train", "simulate"])
+def test_a_summary_that_cannot_be_printed_is_one_line_and_the_run_is_whole(tmp_path, command):
+    """stdout on a full disk (`>/dev/full`): one line says so and where the summary is, exit
+    status 1, the run directory whole (ako simulate gave a traceback; ako train a bare 'No space
+    left on device'). A bar on such a stderr is dropped, not the run (`ako simulate --progress`
+    failed at its start). Found by a breaker's trial."""
+    cmd = [sys.executable, "-m", "ako", command, "--strategy", "allreduce", "--workers", "2", "--dataset", "digits",
+           "--epochs", "0.1", "--progress"]  # fmt: skip
+    with open("/dev/full", "w") as full:
+        printed = subprocess.run([*cmd, "--out-dir", str(tmp_path / "out")], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+        barred = subprocess.run([*cmd, "--out-dir", str(tmp_path / "err")], stdout=subprocess.PIPE, stderr=full, text=True, timeout=120)
+    (run_dir,) = (tmp_path / "out").glob("*")
+    assert printed.returncode == 1 and printed.stderr.splitlines()[-1].endswith(
+        f"could not print the summary (No space left on device); {run_dir} holds it all")
+    assert barred.returncode == 0 and "saved model" in barred.stdout
+    for out_dir in ("out", "err"):
+        (run_dir,) = (tmp_path / out_dir).glob("*")
+        assert (run_dir / "summary.json").exists() and (run_dir / "model.pt").exists()
+
+
 def _closing(*fds):
     return lambda: [os.close(fd) for fd in fds]
 

@@ -211,9 +211,13 @@ def save_model(run_dir: Path, replica, params: torch.Tensor, source: str, data, 
 
 
 def publish(run_dir: Path, summary: dict, *more_lines: str) -> None:
-    """Write summary.json (atomically) and print the summary, then `more_lines`."""
+    """Write summary.json (atomically) and print the summary, then `more_lines`. Raises
+    RuntimeError, in one line, when stdout cannot be written (not when its reader left)."""
     write_summary(run_dir, summary)
     try:
         print("\n".join([format_summary(summary), *more_lines]), flush=True)
     except BrokenPipeError:  # stdout was closed (piped into head?): summary.json has it all
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except OSError as e:  # a full disk, a read-only descriptor: the run is whole, say so in one line
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit would flush again
+        raise RuntimeError(f"could not print the summary ({e.strerror or e}); {run_dir} holds it all") from None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import threading
 from collections.abc import Callable
 from typing import Protocol
@@ -49,6 +50,29 @@ class Checkpointer(Protocol):
 
     def save(self, point: int) -> None:
         """Save this rank's state as its part of the checkpoint at step `point`."""
+
+
+class BarStream:
+    """Where a progress bar writes: stderr, whose failures (a full disk, a read-only
+    descriptor) drop the bar's text, not the run."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except (OSError, ValueError):
+            return 0
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name):  # isatty, fileno, encoding: stderr's own
+        return getattr(self.stream, name)
 
 
 class WorkerState:
@@ -100,7 +124,7 @@ class WorkerState:
         self.evaluation_bar = rank == 0 and progress_bar  # after training: a bar over the evaluations left
         if self.evaluation_bar:  # the simulator draws its own (`ako.runtime.simulated.progress`)
             tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock: a killed worker would leak it
-            self.bar = tqdm(total=self.planned_steps, unit="step")
+            self.bar = tqdm(total=self.planned_steps, unit="step", file=BarStream(sys.stderr))
 
     def before_step(self) -> None:
         """Between two steps: take a checkpoint if one is due; at an evaluation point, rank 0's
@@ -222,11 +246,13 @@ class WorkerState:
         and `extra` more), until `close_bar`: without it, minutes could pass in silence."""
         self.close_bar()
         if self.evaluation_bar:
-            self.bar = tqdm(total=self.evaluator.pending() + 1 + extra, desc="evaluating", unit="evaluation", leave=False)
+            self.bar = tqdm(total=self.evaluator.pending() + 1 + extra, desc="evaluating", unit="evaluation", leave=False,
+                            file=BarStream(sys.stderr))  # fmt: skip
             self.evaluator.tick = self.bar.update
 
     def close_bar(self) -> None:
         if self.bar is not None:
+            self.bar.refresh()  # its last count (tqdm draws at most every 0.1 s), where it is left
             self.bar.close()
             self.bar = None
         if self.evaluator is not None:

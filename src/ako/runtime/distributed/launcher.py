@@ -159,7 +159,11 @@ def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable
                 group.start(context, fn, args, rank, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
             return group.watch(set(survivable), role, timeout)
         except KeyboardInterrupt:
-            if group.interrupted():  # rank 0 was writing the summary: the run is whole, and so is its outcome
+            try:
+                handed_in = group.interrupted()
+            except KeyboardInterrupt:  # a second one stops the wait, but rank 0 may have handed in by now
+                handed_in = group.handed_in()
+            if handed_in:  # rank 0 was writing the summary: the run is whole, and so is its outcome
                 return group.results
             raise
         finally:
@@ -249,6 +253,10 @@ class _Group:
             print(f"{chr(10) if sys.stderr.isatty() else ''}ako: stopping: rank 0 logs the evaluations it has first "
                   f"(up to {_GRACE:g} s; Ctrl-C again stops it at once)", file=sys.stderr, flush=True)  # fmt: skip
         self._wind_up({rank for rank, proc in self.procs.items() if proc.exitcode is None})
+        return self.handed_in()
+
+    def handed_in(self) -> bool:
+        """Whether rank 0 has handed in its result (read what the pipes hold first)."""
         for rank in self.procs:
             self._read(rank)
         return 0 in self.results

@@ -19,6 +19,8 @@ from collections.abc import Callable
 import simpy
 from tqdm import tqdm
 
+from ako.run.worker import BarStream
+
 _REFRESH = 0.25  # real seconds between two updates of the figures after the bar
 
 
@@ -29,7 +31,7 @@ class Progress:
     def __init__(self, env: simpy.Environment, total: int, shown: bool | None, last_metrics: Callable[[], dict | None]):
         self.env, self.last_metrics = env, last_metrics
         shown = False if sys.stderr is None else shown  # started with stderr closed
-        self.bar = tqdm(total=total, unit="step", disable=None if shown is None else not shown)
+        self.bar = tqdm(total=total, unit="step", disable=None if shown is None else not shown, file=BarStream(sys.stderr))
         self.started = self.shown_at = time.perf_counter()
 
     def step(self) -> None:
