@@ -37,11 +37,12 @@ def test_run_directory_holds_config_metrics_and_summary(tmp_path):
 def test_the_summary_counts_the_evaluations_after_training(tmp_path, capfd):
     """Without a target, rank 0 evaluates its snapshots after training: those seconds are in
     the summary's evaluation_seconds and its "(+ N s evaluating)", not only the pauses during
-    training. Here 3 snapshots and their averages (points 0 and 1 and the end; point 0's average
-    is rank 0's) and the model before the flush: 6 evaluations of one slow batch, 3 s at least."""
-    result = ako.train(small_config(tmp_path, strategy="ako", eval_every=0.25), eval_fn=slow_metrics)
+    training. Here 3 snapshots (points 0 and 1 and the end): 3 evaluations of one slow batch,
+    1.5 s at least. (Under ako how many there are depends on the run: after a flush that
+    changed nothing, its model before the flush is the one evaluated already.)"""
+    result = ako.train(small_config(tmp_path, strategy="allreduce", eval_every=0.25), eval_fn=slow_metrics)
     s = result.summary
-    assert s["evaluation_seconds"] >= 3.0 > s["wall_seconds"] - s["train_seconds"]
+    assert s["evaluation_seconds"] >= 1.5 > s["wall_seconds"] - s["train_seconds"]
     assert f"of training (+ {s['evaluation_seconds']:.1f} s evaluating)" in capfd.readouterr().out
 
 
