@@ -55,6 +55,13 @@ class Evaluator:
         averages = sum(s.point is not None for s in self.snapshots) if self.consensus is not None else 0
         return sum(s.metrics is None for s in self.snapshots) + averages
 
+    def measure(self, params: torch.Tensor) -> dict:
+        """The replica's metrics on the test set with `params` (numel,) in place of its own;
+        `tick` counts it."""
+        metrics = self.replica.evaluate_params(params.to(self.replica.params.device), self.test_set)
+        self.tick()
+        return metrics
+
     def keep(self, record: dict, point: int | None, extra: dict | None = None) -> bool:
         """Keep a copy of the replica with its progress `record` at evaluation point `point`
         (None: the end). Returns whether to evaluate now: when eager, or when what is kept (and
@@ -76,9 +83,8 @@ class Evaluator:
         metrics = {}
         for s in list(self.snapshots):
             if s.metrics is None:
-                s.metrics = self.replica.evaluate_params(s.params, self.test_set)
+                s.metrics = self.measure(s.params)
                 s.record.update(prefixed("test", s.metrics))
-                self.tick()
                 if each:
                     self.log_ready(final)
             metrics = s.metrics
@@ -102,8 +108,7 @@ class Evaluator:
         """How many replicas, their consensus distance, and the test loss and accuracy of their
         (weighted) average: the fields the records add where replicas differ."""
         distance, average = consensus_distance([r.to(self.replica.params.device) for r in replicas], weights)
-        metrics = self.replica.evaluate_params(average, self.test_set)
-        self.tick()
+        metrics = self.measure(average)
         return {"replicas": len(replicas), "consensus_distance": float(f"{distance:.4g}"), **prefixed("average", metrics)}
 
 

@@ -75,13 +75,12 @@ def open_run_dir(config, strategy: str, data) -> Path:
     return run_dir
 
 
-def final_model(state: WorkerState, unflushed: torch.Tensor, final: dict, test_set) -> dict:
+def final_model(state: WorkerState, unflushed: torch.Tensor, final: dict) -> dict:
     """Which model the run hands back: the replicas after the flush (rank 0's `final` record),
     or rank 0's replica before it, `unflushed` (numel,), when that one tests better on the
     run's objective (`metrics.objective`: its target's metric, else accuracy, else loss; a
     flush that averages replicas which drifted apart can make the model worse: it is reported)."""
-    metrics = state.replica.evaluate_params(unflushed.to(state.replica.params.device), test_set)
-    state.evaluator.tick()
+    metrics = state.evaluator.measure(unflushed)
     name, higher = objective(state.goal, metrics)
     flushed, mine = final.get(f"test_{name}"), round(metrics[name], 5)
     worse = _better(mine, flushed, higher)  # a tie keeps the flushed replicas
@@ -121,11 +120,9 @@ workers lost before it, which began again as copies of rank 0's part.
     if job.strategy.summarise is not None:
         summary.update(job.strategy.summarise(reports))
     if facts.get("centre") is not None:
-        centre = state.replica.evaluate_params(facts["centre"].to(state.replica.params.device), data.test)
-        state.evaluator.tick()
-        summary.update(prefixed("centre", centre))
+        summary.update(prefixed("centre", state.evaluator.measure(facts["centre"])))
     if facts.get("unflushed") is not None:
-        summary["final_model"] = final_model(state, facts["unflushed"], final, data.test)
+        summary["final_model"] = final_model(state, facts["unflushed"], final)
     state.close_bar()
     source, model, measured = handed_back(summary, facts, state, finals, reports, final, end)
     summary["saved_model"] = save_model(run_dir, state.replica, model, source, data, measured)
