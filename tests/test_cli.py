@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -232,6 +234,22 @@ def test_exit_status_2_from_the_console_script(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr == "ako: error: workers '-1': must be an integer >= 1 and <= 4096\n"
 
+
+def test_a_pipe_from_ako_train_ends_when_it_exits(tmp_path):
+    """`ako train ... 2>&1 | tee log`: the pipe's end comes with ako's exit, even when that
+    exit (a one-line error) comes while the workers' fork server is still loading torch, which
+    held the pipe open 2.5 s longer."""
+    proc = subprocess.Popen([sys.executable, "-m", "ako", "train", "--optimizer", "lbfgs", "--out-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    assert proc.wait(timeout=60) == 2
+    fd, out, deadline = proc.stdout.fileno(), b"", time.monotonic() + 1.0
+    while select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+        if not (chunk := os.read(fd, 65536)):
+            break  # the pipe's end
+        out += chunk
+    else:
+        pytest.fail(f"ako exited 1 s ago, the pipe is still open (read so far: {out!r})")
+    assert out.decode().startswith("ako: error: unknown optimizer 'lbfgs'")
 
 def idx_dir(tmp_path, side: int):
     """A Fashion-MNIST-like directory of 20 images of side x side pixels."""

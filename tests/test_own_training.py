@@ -332,11 +332,12 @@ def test_own_model_by_name_under_torchrun_and_in_a_sweep_cell(tmp_path):
     (["--model", "own_training:not_a_module"], "the factory returned int, not an nn.Module"),
     (["--dataset", "own_training:digits_net"], "the factory must return (train_set, test_set)"),
 ])  # fmt: skip
-def test_bad_training_settings_are_one_line_exit_2_and_write_nothing(tmp_path, flags, message):
-    proc = _ako("train", *SMALL, "--out-dir", str(tmp_path / "runs"), *flags)
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("ako: error: ") and message in lines[0], proc.stderr
+def test_bad_training_settings_are_one_line_exit_2_and_write_nothing(tmp_path, capsys, flags, message):
+    code = main(["train", *SMALL, "--out-dir", str(tmp_path / "runs"), *flags])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ako: error: ") and message in lines[0], err
     assert not run_dirs(tmp_path)
 
 

@@ -20,6 +20,7 @@ def console():
         from ako.runtime.distributed import forkserver
 
         forkserver.start()
+        atexit.register(forkserver.stop)  # runs before `_skip_teardown`
     from ako import cli
 
     try:
