@@ -448,6 +448,16 @@ def test_a_resume_takes_the_new_settings_and_refuses_another_optimizer(tmp_path,
     assert code == 2 and "written by a run with optimizer_name 'adamw', not 'adam'" in err and err.count("\n") == 1
 
 
+def test_metrics_as_numpy_scalars_are_taken_as_numbers(tmp_path):
+    """An `eval_fn` that gives NumPy scalars (np.float32) records the same figures as one that
+    gives Python floats."""
+    runs = [ako.simulate(small_config(tmp_path / name, strategy="allreduce", eval_fn=fn, epochs=0.5)).summary
+            for name, fn in (("python", None), ("numpy", "own_training:numpy_metrics"))]  # fmt: skip
+    figures = [[{k: v for k, v in json.loads(line).items() if k not in ("time", "wall")}  # the compute time is measured
+                for line in (Path(run["run_dir"]) / "metrics.jsonl").read_text().splitlines()] for run in runs]  # fmt: skip
+    assert figures[1] == figures[0] and len(figures[0]) == 2 and all("test_accuracy" in r for r in figures[0])
+
+
 @pytest.mark.parametrize("settings, functions, message", [
     ({}, {"eval_fn": "own_training:text_metrics"}, "eval_fn: metric 'accuracy' = 'high': each must be"),
     ({}, {"optimizer_fn": "own_training:no_optimizer"}, "optimizer_fn failed: TypeError: optimizer_fn returned NoneType"),

@@ -5,6 +5,7 @@ fails once, in one line (ConfigError, exit status 2), and not in every worker.""
 from __future__ import annotations
 
 import importlib
+import numbers
 import os
 from pathlib import Path
 
@@ -110,11 +111,12 @@ def _try_step(job, replica: Replica, data) -> None:
 
 
 def _check_metrics(metrics, goal) -> None:
-    """An evaluation is a non-empty dict of name -> real number, with the target's metric."""
+    """An evaluation is a non-empty dict of name -> real number (a Python or NumPy one, or a
+    one-element tensor), with the target's metric."""
     if not isinstance(metrics, dict) or not metrics:
         raise ConfigError(f"eval_fn: must return a non-empty dict of metric name -> number, got {metrics!r:.80}")
     for name, value in metrics.items():
-        number = isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+        number = isinstance(value, numbers.Real) or (isinstance(value, torch.Tensor) and value.numel() == 1)  # NumPy's too
         if not isinstance(name, str) or not number or isinstance(value, bool) or torch.is_complex(torch.as_tensor(value)):
             raise ConfigError(f"eval_fn: metric {name!r} = {value!r:.60}: each must be named by a string and be a real number")
     if goal is not None and goal.metric not in metrics:
