@@ -19,8 +19,9 @@ demo: $(STAMP) data
 	  $(AKO) train --strategy ako --workers 4 --dataset digits --epochs 10; \
 	fi
 
+# Two test processes at once (pytest-xdist): many tests wait on timeouts and process starts.
 test: $(STAMP) data
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 benchmarks: $(STAMP) data
 	$(PY) benchmarks/ddp_vs_allreduce.py

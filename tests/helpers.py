@@ -234,6 +234,14 @@ def session() -> set[int]:
     return found
 
 
+def command_line(pid: int) -> str:
+    """Process `pid`'s command line, its arguments joined by spaces ("" once it has ended)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def gone(pids: list[int], within: float) -> bool:
     """Whether every process in `pids` has ended (a zombie has) within `within` seconds."""
     deadline = time.monotonic() + within

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import command_line, session
 
 from ako.cli import main
 from ako.experiments.grid import load_sweep
@@ -288,8 +289,8 @@ def test_an_interrupted_sweep_stops_its_cells_and_resumes(tmp_path):
     sweep.terminate()
     assert sweep.wait(timeout=20) == 130
     assert "interrupted; run the same command again" in sweep.stderr.read()
-    left = subprocess.run(["pgrep", "-f", "ako.experiments.cell_process"], capture_output=True, text=True).stdout
-    assert left == "", f"the cell's process is still going: {left}"
+    left = [pid for pid in session() if "ako.experiments.cell_process" in command_line(pid)]
+    assert left == [], f"the cell's process is still going: {left}"
     finished_before = summaries(out)
     assert list(finished_before) == ["arm=allreduce,workers=2"]
     file.write_text(file.read_text().replace("epochs = 100\n", ""))  # now the slow cell is quick
