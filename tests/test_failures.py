@@ -317,7 +317,7 @@ def test_ctrl_c_while_rank_0_evaluates_after_training_keeps_what_it_evaluated(tm
     metrics.jsonl (they were logged only once all were evaluated: a run interrupted there kept
     none); exit status 130."""
     code, _, err, _, run_dir = _ctrl_c_while_evaluating(tmp_path, "1.2", "0.1")
-    assert code == 130 and STOPPING in err and err.endswith("evaluation/s]ako: interrupted\n")
+    assert code == 130 and STOPPING in err and err.endswith(f"evaluation/s]ako: interrupted; what the run logged is in {run_dir}\n")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     epochs = [r["epoch"] for r in records]
     assert 5 <= len(records) < 14 and epochs == sorted(set(epochs)) and epochs[0] == 0
@@ -367,9 +367,9 @@ def test_ctrl_c_keeps_the_metrics_so_far_and_ends_every_process(tmp_path, strate
     finally:
         proc.kill()
         proc.wait()
-    assert proc.returncode == 130 and err == STOPPING + "ako: interrupted\n", err
-    assert ended < 10, f"{ended:.1f} s from the signal to the end"
     (run_dir,) = out_dir.glob("*")
+    assert proc.returncode == 130 and err == f"{STOPPING}ako: interrupted; what the run logged is in {run_dir}\n", err
+    assert ended < 10, f"{ended:.1f} s from the signal to the end"
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) >= 2 and all(0 <= r["test_accuracy"] <= 1 for r in records)
     assert [r["epoch"] for r in records] == sorted(r["epoch"] for r in records)

@@ -582,7 +582,7 @@ def test_sigterm_stops_a_simulation_as_ctrl_c_does(tmp_path):
     finally:
         proc.kill()
         proc.wait()
-    assert proc.returncode == 130 and err == "ako: interrupted\n", (proc.returncode, err)
     (run_dir,) = out.glob("*")
+    assert proc.returncode == 130 and err == f"ako: interrupted; what the run logged is in {run_dir}\n", (proc.returncode, err)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) >= 2 and not (run_dir / "summary.json").exists()

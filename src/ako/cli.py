@@ -392,10 +392,11 @@ def _main(argv: list[str] | None) -> int:
         if os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun, once per machine, not once per worker
             print(f"ako: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C now would end in a traceback
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        _say_interrupted()
+        run_dir = getattr(interrupt, "run_dir", None)  # a run's: the launcher and the simulator set it
+        _say_interrupted(f"; what the run logged is in {run_dir}" if run_dir else "")
         return 130
 

@@ -28,7 +28,7 @@ from ako.run.outcome import WorkerResult
 from ako.runtime.distributed import forkserver, quiet
 from ako.runtime.distributed.liveness import is_stopped
 from ako.runtime.distributed.mailbox import comm_error
-from ako.runtime.distributed.process import END, JobEnded, StartupFailed, run_rank
+from ako.runtime.distributed.process import END, RUN_DIR_KEY, JobEnded, StartupFailed, run_rank
 from ako.run.job import Job
 from ako.strategies.ops import PeerLost
 
@@ -138,7 +138,7 @@ def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable
     are killed and WorkerFailed names the rank, unless the rank
     is in `survivable`; `role(rank)` names the process in messages. Ctrl-C or SIGTERM stops them
     all, rank 0 after it has logged the metrics it has (up to `_GRACE` s), and raises
-    KeyboardInterrupt; unless rank 0 was past training and hands in its result meanwhile, which
+    KeyboardInterrupt, its `run_dir` the run directory (None if rank 0 had made none); unless rank 0 was past training and hands in its result meanwhile, which
     is then returned. `timeout` bounds start-up (seconds)."""
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
     env = {
@@ -158,17 +158,26 @@ def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable
             for rank in range(processes):
                 group.start(context, fn, args, rank, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
             return group.watch(set(survivable), role, timeout)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as interrupt:
             try:
                 handed_in = group.interrupted()
             except KeyboardInterrupt:  # a second one stops the wait, but rank 0 may have handed in by now
                 handed_in = group.handed_in()
             if handed_in:  # rank 0 was writing the summary: the run is whole, and so is its outcome
                 return group.results
+            interrupt.run_dir = _run_dir_of(store)  # for the line that ends the command
             raise
         finally:
             group.stop()
             del store
+
+
+def _run_dir_of(store: dist.Store) -> str | None:
+    """The run directory rank 0 has put in the job's `store`, if it has."""
+    try:
+        return store.get(RUN_DIR_KEY).decode() if store.check([RUN_DIR_KEY]) else None
+    except (RuntimeError, UnicodeDecodeError):  # the store's own errors (DistStoreError is a RuntimeError)
+        return None
 
 
 class _Group:

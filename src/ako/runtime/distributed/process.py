@@ -36,6 +36,9 @@ from ako.runtime.distributed.runtime import DistributedRuntime
 from ako.strategies import ServerContext, WorkerContext
 
 
+RUN_DIR_KEY = "ako/run_dir"  # in the job's store: the run directory, once rank 0 has made or found it
+
+
 def join_process_group(timeout: float, backend: str) -> tuple[int, int, dist.Store]:
     """Join the job's process group from the elastic agent's environment; returns (rank, world,
     the agent's store: shared by every restart attempt).
@@ -308,7 +311,7 @@ def _run_dir(job: Job, data, rank: int, store: dist.Store, runtime: DistributedR
     store (when they need it: checkpoints or a resume) and the step by broadcast."""
     config = job.config
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    key = "ako/run_dir"
+    key = RUN_DIR_KEY
     if rank == 0:
         if config.resume is not None:
             checkpoint.check_unfinished(config)

@@ -56,9 +56,11 @@ def simulate_job(job: Job, costs: Costs, data: Data | None = None) -> tuple[dict
         _start(runtime, job, data, replicas, run_dir)
         try:
             runtime.run()
-        except (Exception, KeyboardInterrupt):  # as a distributed run does: the metrics up to the failure
+        except (Exception, KeyboardInterrupt) as stopped:  # as a distributed run does: the metrics up to the failure
             if runtime.nodes[0].state.evaluator is not None:
                 runtime.nodes[0].state.keep_metrics()
+            if isinstance(stopped, KeyboardInterrupt):
+                stopped.run_dir = str(run_dir)  # for the line that ends the command
             raise
         finally:
             runtime.progress.close()
