@@ -1,11 +1,14 @@
 """Would batched replicas speed up the simulator? One step's gradients of W simulated workers,
 each with its own parameters and mini-batch, computed one replica at a time (what `ako
-simulate` does) and in one call two ways: `torch.func.vmap` over `functional_call` with stacked
-parameters, and a layer-by-layer form (the replicas' convolutions as one grouped convolution in
-the channels-last layout, their linear layers as one batched matrix product, one autograd
-graph), side by side in one process with one torch thread (as a sweep cell runs).
+simulate` does) and in one call three ways: `torch.func.vmap` over `functional_call` with
+stacked parameters; a layer-by-layer form (the replicas' convolutions as one grouped
+convolution in the channels-last layout, their linear layers as one batched matrix product, one
+autograd graph); and an exact form (bit for bit the one-at-a-time gradients: per-replica
+convolution kernels, everything else once over all replicas, no autograd graph), side by side
+in one process with one torch thread (as a sweep cell runs).
 Prints seconds per step of all W workers, the ratio one-at-a-time / batched (above 1: batching
-is faster) and the largest difference from the one-at-a-time gradients.
+is faster), the largest difference of vmap's and the layer-by-layer gradients from the
+one-at-a-time ones, and whether the exact form's are equal to them bit for bit.
 
     .venv/bin/python benchmarks/sim_batching.py [--workers 64] [--batch-sizes 2,4,8,16,32] [--models mlp,cnn]
 """
@@ -90,6 +93,72 @@ def layerwise(model, params: torch.Tensor, xs: torch.Tensor, ys: torch.Tensor) -
     return torch.cat([leaf.grad.reshape(w, -1) for leaf in leaves], dim=1)
 
 
+def exact(model, params: torch.Tensor, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+    """The same gradients bit for bit, batched where batching cannot change a bit: each
+    replica's convolutions are its own calls of the kernels autograd calls (forward and
+    `convolution_backward`, in the module's layout), while ReLU, max pooling (exact: a max and a
+    scatter), the linear layers (`baddbmm`/`bmm`, whose slices are the per-replica products here)
+    and the loss's gradient run once over all W replicas, with no autograd graph but the loss's.
+    Only Conv2d, Linear, ReLU, MaxPool2d and Flatten (the built-in cnn and mlp)."""
+    w, b = xs.shape[:2]
+    layers = [m for m in model.modules() if not isinstance(m, torch.nn.Sequential)]
+    shapes = [p.shape for p in model.parameters()]
+    bounds = [0]
+    for shape in shapes:
+        bounds.append(bounds[-1] + shape.numel())
+    grads = torch.empty_like(params)
+    weights = [params[:, lo:hi].view(w, *shape) for lo, hi, shape in zip(bounds, bounds[1:], shapes)]
+    out = [grads[:, lo:hi].view(w, *shape) for lo, hi, shape in zip(bounds, bounds[1:], shapes)]
+    cl, tape, k, h = torch.channels_last, [], 0, xs.reshape(w * b, *xs.shape[2:])
+    for m in layers:  # forward, keeping what each backward needs
+        if isinstance(m, torch.nn.Conv2d):
+            tape.append((m, h, k))
+            h = torch.cat([F.conv2d(h[r * b : (r + 1) * b], weights[k][r], weights[k + 1][r], m.stride, m.padding,
+                                    m.dilation) for r in range(w)])  # fmt: skip
+            k += 2
+        elif isinstance(m, torch.nn.ReLU):
+            h = torch.relu(h)
+            tape.append((m, h, None))
+        elif isinstance(m, torch.nn.MaxPool2d):
+            h = h.contiguous(memory_format=cl)
+            pooled, where = torch.ops.aten.max_pool2d_with_indices(h, [m.kernel_size] * 2, [m.stride] * 2)
+            tape.append((m, h, where))
+            h = pooled.contiguous()
+        elif isinstance(m, torch.nn.Flatten):
+            tape.append((m, h.shape, None))
+            h = h.reshape(w, b, -1)
+        elif isinstance(m, torch.nn.Linear):
+            tape.append((m, h, k))
+            h = torch.baddbmm(weights[k + 1].unsqueeze(1), h, weights[k].transpose(1, 2))
+            k += 2
+    logits = h.detach().requires_grad_()
+    (g,) = torch.autograd.grad(sum(F.cross_entropy(logits[r], ys[r]) for r in range(w)), logits)
+    for m, saved, k in reversed(tape):  # backward
+        if isinstance(m, torch.nn.Linear):
+            out[k].copy_(torch.bmm(g.transpose(1, 2), saved))
+            out[k + 1].copy_(g.sum(1))
+            g = torch.bmm(g, weights[k])
+        elif isinstance(m, torch.nn.Flatten):
+            g = g.reshape(saved)
+        elif isinstance(m, torch.nn.MaxPool2d):
+            g = torch.ops.aten.max_pool2d_with_indices_backward(g.contiguous(memory_format=cl), saved, [m.kernel_size] * 2,
+                                                                [m.stride] * 2, [0, 0], [1, 1], False, k).contiguous()  # fmt: skip
+        elif isinstance(m, torch.nn.ReLU):
+            g = torch.ops.aten.threshold_backward(g, saved, 0)
+        elif isinstance(m, torch.nn.Conv2d):
+            first = saved.data_ptr() == xs.data_ptr()  # the input needs no gradient
+            inputs = []
+            for r in range(w):
+                gi, gw, gb = torch.ops.aten.convolution_backward(
+                    g[r * b : (r + 1) * b], saved[r * b : (r + 1) * b], weights[k][r], [m.out_channels], m.stride,
+                    m.padding, m.dilation, False, [0, 0], 1, [not first, True, True])  # fmt: skip
+                out[k][r].copy_(gw)
+                out[k + 1][r].copy_(gb)
+                inputs.append(gi)
+            g = None if first else torch.cat(inputs)
+    return grads
+
+
 def seconds(fn, *args, repeats: int = 3) -> tuple[float, torch.Tensor]:
     fn(*args)  # warm-up
     times = []
@@ -129,7 +198,7 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"{args.workers} replicas, one torch thread; seconds per step of all replicas (median of 3)")
     print(f"{'model':<6} {'batch':>5} {'one at a time':>14} {'vmap':>9} {'ratio':>7} {'layerwise':>10} {'ratio':>7} "
-          f"{'max |diff|':>11}")  # fmt: skip
+          f"{'max |diff|':>11} {'exact':>8} {'ratio':>7}  exact bit for bit")  # fmt: skip
     for name in args.models:
         model = build_model(name, (1, 28, 28), 10)
         numel = sum(p.numel() for p in model.parameters())
@@ -141,9 +210,10 @@ def main() -> None:
             single, g1 = seconds(one_at_a_time, model, params, xs, ys)
             together, g2 = seconds(batched, model, params, xs, ys)
             layered, g3 = seconds(layerwise, model, params, xs, ys)
+            same, g4 = seconds(exact, model, params, xs, ys)
             diff = max((g1 - g2).abs().max().item(), (g1 - g3).abs().max().item())
             print(f"{name:<6} {b:>5} {single:>13.3f}s {together:>8.3f}s {single / together:>6.2f}x {layered:>9.3f}s "
-                  f"{single / layered:>6.2f}x {diff:>11.2e}")  # fmt: skip
+                  f"{single / layered:>6.2f}x {diff:>11.2e} {same:>7.3f}s {single / same:>6.2f}x  {torch.equal(g1, g4)}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ Why threads and not one vmapped call (`torch.func.vmap` over stacked parameters)
 vmap was no faster than one replica at a time for the built-in models (benchmarks/sim_batching.py,
 64 replicas: the cnn 1.08x at batch 2 but 0.78x at 8 and 0.24x at 32, the mlp 0.67x to
 0.83x; nor was one grouped convolution and one batched matrix product per layer: the cnn 0.56x
-to 0.95x); the gain of computing together is the cores.
+to 0.95x; nor an exact batched form, bit for bit this one, with each replica's convolution
+kernels: the cnn 0.28x to 1.26x); the gain of computing together is the cores.
 """
 
 from __future__ import annotations
