@@ -146,6 +146,17 @@ def test_unknown_toml_key(tmp_path, out_dir, capsys):
     assert not out_dir.exists()
 
 
+@pytest.mark.parametrize("value", ["16", "32"])
+def test_a_toml_key_given_with_dash_and_underscore(tmp_path, out_dir, capsys, value):
+    path = tmp_path / "run.toml"
+    path.write_text(f"batch-size = 16\nbatch_size = {value}\n")  # once the second silently won
+    assert run_cli(["--config", str(path)], out_dir, capsys) == (
+        2,
+        f"ako: error: config file '{path}': 'batch_size' is given twice, spelled with - and with _\n",
+    )
+    assert not out_dir.exists()
+
+
 def test_bad_toml_value_and_syntax(tmp_path, out_dir, capsys):
     path = tmp_path / "run.toml"
     path.write_text("workers = -3\n")

@@ -202,6 +202,7 @@ def test_report_means_spreads_and_paired_speedups(tmp_path):
         (("[grid]", "[report]\ntarget = 1.5\n[grid]"), "report target 1.5: must be a number > 0 and <= 1"),
         (("[grid]", "[report]\nbudget = inf\n[grid]"), "report budget inf: must be a number > 0 and <= 1e9"),
         (("[base]", "[base]\nbatch-size = 8"), "base: 'batch_size' is given twice, spelled with - and with _"),
+        (("[base]", "[base]\nbatch-size = 16"), "base: 'batch_size' is given twice, spelled with - and with _"),
         (("workers = [2, 4]", "workers = [2, 4]\nseed = " + str(list(range(3000)))), "the grid has 12000 cells; at most 10000"),
     ],
 )

@@ -230,8 +230,9 @@ def run_config(run_dir, what: str = "resume") -> str:
 
 
 def load_toml(path: str | os.PathLike) -> dict:
-    """Read a config file into a dict of TrainConfig fields. Raises ConfigError on unknown keys,
-    a missing file or TOML syntax errors."""
+    """Read a config file into a dict of TrainConfig fields (a key's dashes read as
+    underscores). Raises ConfigError on unknown keys, one setting given twice (`batch-size`
+    and `batch_size`), a missing file or TOML syntax errors."""
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -241,13 +242,24 @@ def load_toml(path: str | os.PathLike) -> dict:
         raise ConfigError(f"config file {str(path)!r}: {e}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {str(path)!r}: cannot read it ({e})") from None
-    data = {key.replace("-", "_"): value for key, value in data.items()}
+    data = underscored(f"config file {str(path)!r}", data)
     unknown = sorted(set(data) - set(FIELDS))
     if unknown:
         raise ConfigError(
             f"config file {str(path)!r}: unknown key {unknown[0]!r}; allowed: {', '.join(FIELDS)}"
         )
     return data
+
+
+def underscored(where: str, table: dict) -> dict:
+    """`table` with each key's dashes read as underscores (`batch-size` is `batch_size`).
+    Raises ConfigError, naming `where`, when both spellings of one key are given."""
+    out = {}
+    for key, value in table.items():
+        if (name := key.replace("-", "_")) in out:
+            raise ConfigError(f"{where}: {name!r} is given twice, spelled with - and with _")
+        out[name] = value
+    return out
 
 
 def option_users() -> dict[str, tuple[str, ...]]:

@@ -40,7 +40,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from ako.config import FIELDS, USER_FUNCTIONS, ConfigError, TrainConfig, parse_target, validate
+from ako.config import FIELDS, USER_FUNCTIONS, ConfigError, TrainConfig, parse_target, underscored, validate
 from ako.run.imports import import_factory, is_spec
 
 RUNTIMES = ("simulate", "train")
@@ -192,11 +192,7 @@ def _table(where: str, value) -> dict:
     """A TOML table with `batch-size` read as `batch_size` (both at once is an error)."""
     if not isinstance(value, dict):
         raise ConfigError(f"{where}: must be a table")
-    table = {}
-    for key, v in value.items():
-        if table.setdefault(key.replace("-", "_"), v) is not v:
-            raise ConfigError(f"{where}: {key!r} is given twice, spelled with - and with _")
-    return table
+    return underscored(where, value)
 
 
 def _settings(where: str, value) -> dict:
