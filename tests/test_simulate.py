@@ -529,6 +529,7 @@ BAD_PROFILES = [
     ("seconds_per_sample = 1e-3\nshared_seconds_per_sample = [inf, inf]", "shared_seconds_per_sample must be a list of numbers > 0"),
     ("seconds_per_sample = 1e-3\nshared_seconds_per_sample = [0.0, 0.0]", "shared_seconds_per_sample must be a list of numbers > 0"),
     ("seconds_per_sample = 1e-3\ngradient_ready = [nan, 1.0]", "gradient_ready must be a list of fractions from 0 to 1"),
+    ("seconds_per_sample = 1e-3\nshared_seconds_per_sampel = [1e-3, 2e-3]", "unknown key 'shared_seconds_per_sampel'; allowed: model,"),
 ]
 
 

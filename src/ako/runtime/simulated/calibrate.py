@@ -144,8 +144,13 @@ def calibrate(config: TrainConfig, out: str | None = None, repeats: int = 20, pr
     return profile
 
 
+PROFILE_KEYS = ("model", "dataset", "batch_size", "threads", "seconds_per_sample", "gradient_ready",
+                "shared_seconds_per_sample", "gpu_seconds_per_sample", "gpu")  # what `calibrate` writes
+
+
 def load_profile(path: str, config: TrainConfig, dataset: str | None = None) -> dict:
-    """Read a profile written by `calibrate`; raise ConfigError when it cannot be read, lacks
+    """Read a profile written by `calibrate`; raise ConfigError when it cannot be read, has a
+    key `calibrate` does not write (a misspelt one would be ignored), lacks
     seconds_per_sample, or was measured for another model, batch size or data set (`dataset`,
     the one the run loaded) than `config`'s."""
     try:
@@ -155,6 +160,9 @@ def load_profile(path: str, config: TrainConfig, dataset: str | None = None) -> 
         raise ConfigError(f"profile {path!r} not found") from None
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"profile {path!r}: cannot read it ({e})") from None
+    unknown = sorted(set(profile) - set(PROFILE_KEYS))
+    if unknown:
+        raise ConfigError(f"profile {path!r}: unknown key {unknown[0]!r}; allowed: {', '.join(PROFILE_KEYS)}")
     sps = profile.get("seconds_per_sample")
     if not _number(sps, 0, SECONDS_PER_SAMPLE_MAX):
         raise ConfigError(f"profile {path!r}: needs seconds_per_sample, a number >= 0 and <= {SECONDS_PER_SAMPLE_MAX:g}, "
