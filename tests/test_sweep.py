@@ -101,6 +101,17 @@ def test_tiny_sweep_runs_resumes_and_reports(tmp_path, capsys):
         assert row[5] == _sig(summary["bytes_sent_per_worker_per_second"] / 1e6)
     assert len((report_dir / "cells.csv").read_text().splitlines()) == 1 + 4
 
+    # a cell whose summary was damaged is left out, and both the command and report.md say so
+    next(out.glob("cells/arm=bsp,workers=4/*/summary.json")).write_text('{"test_accuracy": ')
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert err == ("ako report: cell arm=bsp,workers=4 left out: its summary.json or metrics.jsonl cannot be read "
+                   "(ako sweep runs it again)\n"), err  # fmt: skip
+    text = (report_dir / "report.md").read_text()
+    assert "3 of 4 cells finished" in text and "Left out: cell `arm=bsp,workers=4`" in text
+    assert [r[:2] for r in table(text)[1:]] == [["2", "allreduce"], ["2", "bsp"], ["4", "allreduce"]]
+
 
 def test_sweep_on_the_distributed_runtime(tmp_path):
     file = tmp_path / "real.toml"

@@ -304,7 +304,11 @@ def cmd_report(sweep_dir: str, out: str | None) -> int:
     """`ako report`: write report.md and the PNG plots."""
     from ako.experiments.report import write_report
 
-    path = write_report(sweep_dir, out)
+    damaged: list[str] = []
+    path = write_report(sweep_dir, out, damaged)
+    for name in damaged:
+        print(f"ako report: cell {name} left out: its summary.json or metrics.jsonl cannot be read "
+              "(ako sweep runs it again)", file=sys.stderr)  # fmt: skip
     print(f"ako report: {path}")
     return 0
 

@@ -52,15 +52,19 @@ class Group:
         return [r.measures[measure] for r in self.results if _finite(r.measures.get(measure))]
 
 
-def write_report(sweep_dir: str | Path, out: str | Path | None = None) -> Path:
+def write_report(sweep_dir: str | Path, out: str | Path | None = None, left_out: list[str] | None = None) -> Path:
     """Write `report.md`, `cells.csv` and the PNG plots for `sweep_dir` into `out` (default
-    `sweep_dir/report`); returns the path of report.md. Raises ConfigError when `sweep_dir` is
-    not a sweep directory or has no finished cell."""
+    `sweep_dir/report`); returns the path of report.md. The names of the cells left out because
+    their run's outputs cannot be read (a damaged summary.json or metrics.jsonl) are appended
+    to `left_out`, and report.md names them too. Raises ConfigError when `sweep_dir` is not a
+    sweep directory or has no finished cell."""
     sweep_dir = Path(sweep_dir)
     if not (sweep_dir / "sweep.toml").is_file():
         raise ConfigError(f"sweep directory {str(sweep_dir)!r}: no sweep.toml in it (not written by ako sweep)")
     sweep = load_sweep(sweep_dir / "sweep.toml")
-    results = collect(sweep, sweep_dir)
+    results, damaged = collect(sweep, sweep_dir)
+    if left_out is not None:
+        left_out += damaged
     if not results:
         raise ConfigError(f"sweep directory {str(sweep_dir)!r}: no finished cell yet (run ako sweep first)")
     out = Path(out) if out is not None else sweep_dir / "report"
@@ -69,7 +73,7 @@ def write_report(sweep_dir: str | Path, out: str | Path | None = None) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         figures = plots(sweep, groups, out)
         write_atomic(out / "cells.csv", _csv(sweep, results))
-        write_atomic(out / "report.md", markdown(sweep, groups, figures, len(results)))
+        write_atomic(out / "report.md", markdown(sweep, groups, figures, len(results), damaged))
     except OSError as e:
         raise ConfigError(f"report directory {str(out)!r}: cannot write there ({e.strerror or e})") from None
     return out / "report.md"
@@ -98,14 +102,18 @@ def metric_at(records: list[dict], seconds: float, metric: str = "accuracy") -> 
     return before[-1][key] if before else None
 
 
-def collect(sweep: Sweep, sweep_dir: Path) -> list[Result]:
+def collect(sweep: Sweep, sweep_dir: Path) -> tuple[list[Result], list[str]]:
     """The finished cells with their measures: tta (seconds to the target), accuracy (final),
-    budget_accuracy (at [report] budget seconds), samples/s, bytes/s per worker, server bytes in/s."""
+    budget_accuracy (at [report] budget seconds), samples/s, bytes/s per worker, server bytes
+    in/s; and the names of the cells whose run wrote a summary.json that cannot be read with
+    its metrics.jsonl (damaged: left out, and run again by the next `ako sweep`)."""
     target, budget = target_of(sweep), sweep.report.get("budget")
-    results = []
+    results, damaged = [], []
     for cell in sweep.cells():
         run = finished_run(sweep_dir / "cells" / cell.name, cell)
         if run is None:
+            if any((sweep_dir / "cells" / cell.name).glob("*/summary.json")):
+                damaged.append(cell.name)
             continue
         _, summary, records = run
         servers = [s["bytes_in_per_second"] for s in summary.get("per_server", [])]
@@ -120,7 +128,7 @@ def collect(sweep: Sweep, sweep_dir: Path) -> list[Result]:
         }
         results.append(Result(cell, records, measures))
     _speedups(sweep, results)
-    return results
+    return results, damaged
 
 
 
@@ -161,8 +169,8 @@ def _label_order(sweep: Sweep, labels: tuple) -> tuple:
 # --- the table ----------------------------------------------------------------------------
 
 
-def markdown(sweep: Sweep, groups: list[Group], figures: list[Path], finished_cells: int) -> str:
-    """report.md: what was run, the table, and the plots."""
+def markdown(sweep: Sweep, groups: list[Group], figures: list[Path], finished_cells: int, damaged: list[str]) -> str:
+    """report.md: what was run (and the `damaged` cells left out), the table, and the plots."""
     target, budget = target_of(sweep), sweep.report.get("budget")
     seeds = list(sweep.axes.get("seed", {}))
     spread = f"mean ± standard deviation over seeds {', '.join(seeds)}" if len(seeds) > 1 else "one seed"
@@ -176,6 +184,9 @@ def markdown(sweep: Sweep, groups: list[Group], figures: list[Path], finished_ce
         "over the arm's, where both reached it. Each cell's run directory is under `cells/<cell>/`; `cells.csv` "
         "has every finished cell.",
         "",
+        *(f"Left out: cell `{name}`, whose summary.json or metrics.jsonl cannot be read (`ako sweep` runs it again)."
+          for name in damaged),
+        *([""] if damaged else []),
         *_table(sweep, groups, target, budget),
         "",
     ]
