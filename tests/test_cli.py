@@ -146,6 +146,15 @@ def test_unknown_toml_key(tmp_path, out_dir, capsys):
     assert not out_dir.exists()
 
 
+@pytest.mark.parametrize("resume, message", [("/nonexistent/run", "no such directory"),
+                                             ("/tmp", "no complete checkpoint in it (one file per rank)")])
+def test_a_bad_resume_in_a_config_file_is_one_line_and_makes_no_folder(tmp_path, out_dir, capsys, resume, message):
+    path = tmp_path / "run.toml"  # the out_dir was made before the checkpoint was looked for
+    path.write_text(f"resume = {resume!r}\nstrategy = 'allreduce'\nworkers = 2\ndataset = 'digits'\n")
+    assert run_cli(["--config", str(path)], out_dir, capsys) == (2, f"ako: error: resume {resume!r}: {message}\n")
+    assert not out_dir.exists()
+
+
 @pytest.mark.parametrize("value", ["16", "32"])
 def test_a_toml_key_given_with_dash_and_underscore(tmp_path, out_dir, capsys, value):
     path = tmp_path / "run.toml"

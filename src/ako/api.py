@@ -93,8 +93,9 @@ def train(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set: Da
     job = Job(validate(config), strategy, model_fn, train_set, test_set, loss_fn, eval_fn, optimizer_fn,
               scheduler_fn, collate_fn)  # fmt: skip
     local = 1 if under_elastic_agent() else job.config.workers + (job.config.servers or 0)
-    data, replica = job.check(processes=local)  # bad input fails here, before any process waits for another
+    data, replica = job.check(processes=local, out_dir=False)  # bad input fails here, before any process waits for another
     if under_elastic_agent():
+        check_out_dir(job.config.out_dir)
         result = run_rank(job)
         return RunResult(result.summary, [result])
     _check_picklable(job)
@@ -102,6 +103,7 @@ def train(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set: Da
         checkpoint.check_unfinished(job.config)
         point = checkpoint.find(job.config.resume, job.identity(replica.numel), job.config.workers, buffers=replica.buffer_layout())
         checkpoint.check_ahead(job.config, point, len(data.train))
+    check_out_dir(job.config.out_dir)  # last: bad input makes no folder
     results = launch(job, job.config.workers + (job.config.servers or 0))
     workers = [results[r] for r in sorted(results) if r < job.config.workers]
     return RunResult(results[0].summary, workers)

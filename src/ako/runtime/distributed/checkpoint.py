@@ -303,6 +303,8 @@ def find(run_dir: str | os.PathLike, expected: dict, workers: int, say: bool = F
     damaged newer checkpoint is passed over for an older intact one (with `say`, a line on
     stderr says so). Raises CheckpointError: no intact complete checkpoint (the newest
     damage is named), or one written by another run."""
+    if not os.path.isdir(run_dir):
+        raise CheckpointError(f"resume {str(run_dir)!r}: no such directory")
     damaged: list[tuple[int, str]] = []
     for point in _points(run_dir):
         if not path(run_dir, point, 0).is_file():
