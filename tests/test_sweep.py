@@ -173,7 +173,7 @@ def test_report_means_spreads_and_paired_speedups(tmp_path):
         t = (seed + 1) * (2 if cell.arm == "bsp" else 1) * slow
         reached = not (cell.arm == "absp" and slow == 3 and seed == 2)
         fake_cell(sweep_dir, cell, [(0, 0.1), (t, 0.6 if reached else 0.4), (t + 1, 0.7 if reached else 0.45)], 1000 * (seed + 1))
-    text = write_report(sweep_dir).read_text()
+    text = write_report(sweep_dir)[0].read_text()
     rows = {(r[0], r[1]): r for r in table(text)[1:]}
     header = table(text)[0]
     col = {name: header.index(name) for name in header}
@@ -345,7 +345,7 @@ def test_a_report_where_nothing_reached_the_target(tmp_path):
     (sweep_dir / "sweep.toml").write_text(TINY)
     for cell in load_sweep(sweep_dir / "sweep.toml").cells():
         fake_cell(sweep_dir, cell, [(0, 0.1), (1, 0.2)], 1000)
-    text = write_report(sweep_dir).read_text()
+    text = write_report(sweep_dir)[0].read_text()
     assert text.count("not reached (0/1)") == 4
     assert (sweep_dir / "report" / "time-to-accuracy-vs-workers.png").read_bytes()[:4] == b"\x89PNG"
 

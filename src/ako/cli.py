@@ -304,8 +304,7 @@ def cmd_report(sweep_dir: str, out: str | None) -> int:
     """`ako report`: write report.md and the PNG plots."""
     from ako.experiments.report import write_report
 
-    damaged: list[str] = []
-    path = write_report(sweep_dir, out, damaged)
+    path, damaged = write_report(sweep_dir, out)
     for name in damaged:
         print(f"ako report: cell {name} left out: its summary.json or metrics.jsonl cannot be read "
               "(ako sweep runs it again)", file=sys.stderr)  # fmt: skip

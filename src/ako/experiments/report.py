@@ -52,19 +52,17 @@ class Group:
         return [r.measures[measure] for r in self.results if _finite(r.measures.get(measure))]
 
 
-def write_report(sweep_dir: str | Path, out: str | Path | None = None, left_out: list[str] | None = None) -> Path:
+def write_report(sweep_dir: str | Path, out: str | Path | None = None) -> tuple[Path, list[str]]:
     """Write `report.md`, `cells.csv` and the PNG plots for `sweep_dir` into `out` (default
-    `sweep_dir/report`); returns the path of report.md. The names of the cells left out because
-    their run's outputs cannot be read (a damaged summary.json or metrics.jsonl) are appended
-    to `left_out`, and report.md names them too. Raises ConfigError when `sweep_dir` is not a
+    `sweep_dir/report`); returns the path of report.md and the names of the cells left out
+    because their run's outputs cannot be read (a damaged summary.json or metrics.jsonl),
+    which report.md names too. Raises ConfigError when `sweep_dir` is not a
     sweep directory or has no finished cell."""
     sweep_dir = Path(sweep_dir)
     if not (sweep_dir / "sweep.toml").is_file():
         raise ConfigError(f"sweep directory {str(sweep_dir)!r}: no sweep.toml in it (not written by ako sweep)")
     sweep = load_sweep(sweep_dir / "sweep.toml")
     results, damaged = collect(sweep, sweep_dir)
-    if left_out is not None:
-        left_out += damaged
     if not results:
         raise ConfigError(f"sweep directory {str(sweep_dir)!r}: no finished cell yet (run ako sweep first)")
     out = Path(out) if out is not None else sweep_dir / "report"
@@ -76,7 +74,7 @@ def write_report(sweep_dir: str | Path, out: str | Path | None = None, left_out:
         write_atomic(out / "report.md", markdown(sweep, groups, figures, len(results), damaged))
     except OSError as e:
         raise ConfigError(f"report directory {str(out)!r}: cannot write there ({e.strerror or e})") from None
-    return out / "report.md"
+    return out / "report.md", damaged
 
 
 def target_of(sweep: Sweep) -> Target:
