@@ -192,13 +192,14 @@ def test_without_a_profile_forward_takes_a_third_and_backward_finishes_tensors_l
 
 def test_a_profile_measured_for_other_tensors_is_one_line(tmp_path, capsys):
     """gradient_ready of another length than the model's tensors: exit 2 with one line, before
-    the simulation starts."""
+    the simulation starts, and no run folder."""
     from ako.cli import main
 
     profile = tmp_path / "short.toml"
     profile.write_text("seconds_per_sample = 1e-4\ngradient_ready = [0.5, 1.0]\n")
     code = main(["simulate", "--strategy", "allreduce", "--dataset", "digits", "--train-samples", "384",
-                 "--epochs", "0.2", "--profile", str(profile), "--out-dir", str(tmp_path), "--no-progress"])  # fmt: skip
+                 "--epochs", "0.2", "--profile", str(profile), "--out-dir", str(tmp_path / "run"), "--no-progress"])  # fmt: skip
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
     assert "gradient_ready has 2 fractions, the model 8 parameter tensors" in err
+    assert not (tmp_path / "run").exists()

@@ -530,6 +530,8 @@ BAD_PROFILES = [
     ("seconds_per_sample = 1e-3\nshared_seconds_per_sample = [0.0, 0.0]", "shared_seconds_per_sample must be a list of numbers > 0"),
     ("seconds_per_sample = 1e-3\ngradient_ready = [nan, 1.0]", "gradient_ready must be a list of fractions from 0 to 1"),
     ("seconds_per_sample = 1e-3\nshared_seconds_per_sampel = [1e-3, 2e-3]", "unknown key 'shared_seconds_per_sampel'; allowed: model,"),
+    ("seconds_per_sample = 1e-3\nthreads = 'x'", "threads must be an integer >= 1, not 'x'"),
+    ("seconds_per_sample = 1e-3\ngpu = 5", "gpu must be a device name (a string), not 5"),
 ]
 
 

@@ -198,10 +198,10 @@ def simulate(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set:
 
     config = validate(config, simulated=True)
     job = Job(config, strategy, model_fn, train_set, test_set, loss_fn, eval_fn, optimizer_fn, scheduler_fn, collate_fn)
-    data, _ = job.check(out_dir=False)
+    data, replica = job.check(out_dir=False)
     sps, shared, ready = config.seconds_per_sample, (), ()
     if config.profile is not None:
-        profile = load_profile(config.profile, config, data.name)
+        profile = load_profile(config.profile, config, data.name, tensors=len(replica.boundaries) - 1)
         sps = float(profile["seconds_per_sample"]) if sps is None else sps
         shared = tuple(float(t) for t in profile.get("shared_seconds_per_sample", ()))
         ready = tuple(float(f) for f in profile.get("gradient_ready", ()))

@@ -148,11 +148,12 @@ PROFILE_KEYS = ("model", "dataset", "batch_size", "threads", "seconds_per_sample
                 "shared_seconds_per_sample", "gpu_seconds_per_sample", "gpu")  # what `calibrate` writes
 
 
-def load_profile(path: str, config: TrainConfig, dataset: str | None = None) -> dict:
+def load_profile(path: str, config: TrainConfig, dataset: str | None = None, tensors: int | None = None) -> dict:
     """Read a profile written by `calibrate`; raise ConfigError when it cannot be read, has a
-    key `calibrate` does not write (a misspelt one would be ignored), lacks
-    seconds_per_sample, or was measured for another model, batch size or data set (`dataset`,
-    the one the run loaded) than `config`'s."""
+    key `calibrate` does not write (a misspelt one would be ignored) or a value of the wrong
+    type, lacks seconds_per_sample, or was measured for another model, batch size or data set
+    (`dataset`, the one the run loaded) than `config`'s, or for a model of other than
+    `tensors` parameter tensors (gradient_ready has a fraction per tensor)."""
     try:
         with open(path, "rb") as f:
             profile = tomllib.load(f)
@@ -174,6 +175,12 @@ def load_profile(path: str, config: TrainConfig, dataset: str | None = None) -> 
     ready = profile.get("gradient_ready", [])
     if not isinstance(ready, list) or not all(_number(f, 0, 1) for f in ready):
         raise ConfigError(f"profile {path!r}: gradient_ready must be a list of fractions from 0 to 1")
+    if ready and tensors is not None and len(ready) != tensors:
+        raise ConfigError(f"profile {path!r}: gradient_ready has {len(ready)} fractions, the model {tensors} "
+                          "parameter tensors; run ako calibrate for this model")  # fmt: skip
+    for key, fits, allowed in _OTHER_VALUES:
+        if key in profile and not fits(profile[key]):
+            raise ConfigError(f"profile {path!r}: {key} must be {allowed}, not {profile[key]!r:.40}")
     wanted = {"model": config.model, "batch_size": config.batch_size, "dataset": dataset or config.dataset}
     for key, value in wanted.items():
         if key in profile and profile[key] != value:
@@ -182,6 +189,15 @@ def load_profile(path: str, config: TrainConfig, dataset: str | None = None) -> 
                 f"run ako calibrate --{key.replace('_', '-')} {value}"
             )
     return profile
+
+
+_OTHER_VALUES = (  # the keys `load_profile` checks no other way: (key, test, what is allowed)
+    ("threads", lambda v: not isinstance(v, bool) and isinstance(v, int) and v >= 1, "an integer >= 1"),
+    ("gpu_seconds_per_sample", lambda v: _number(v, 0, SECONDS_PER_SAMPLE_MAX), f"a number >= 0 and <= {SECONDS_PER_SAMPLE_MAX:g}"),
+    ("gpu", lambda v: isinstance(v, str), "a device name (a string)"),
+    ("model", lambda v: isinstance(v, str), "a model name (a string)"),
+    ("dataset", lambda v: isinstance(v, str), "a data set name (a string)"),
+)  # fmt: skip
 
 
 def _number(value, low: float, high: float) -> bool:

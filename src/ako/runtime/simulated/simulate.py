@@ -13,7 +13,6 @@ import time
 import simpy
 import torch
 
-from ako.config import ConfigError
 from ako.metrics import duration, per_worker
 from ako.run.job import Data, Job
 from ako.run.outcome import WorkerResult, final_summary, open_log, open_run_dir, publish
@@ -29,8 +28,7 @@ def simulate_job(job: Job, costs: Costs, data: Data | None = None) -> tuple[dict
     """Run `job` on a simulated cluster of `job.config.workers` workers (and `servers`), costed
     by `costs`, on `data` (default: `job.load_data()`; `job.check()` has loaded it already). Writes the run directory and prints the summary as `ako train` does, with time
     in virtual seconds, plus the simulator's own figures (`simulation` in the summary).
-    Returns (summary, one WorkerResult per worker, by rank). Raises ConfigError (also for a
-    profile's gradient_ready measured for another model) or DataError for bad input and RuntimeError when the strategy deadlocks."""
+    Returns (summary, one WorkerResult per worker, by rank). Raises ConfigError or DataError for bad input and RuntimeError when the strategy deadlocks."""
     started = time.perf_counter()
     data = job.load_data() if data is None else data
     job = job.resolved(data)
@@ -38,10 +36,6 @@ def simulate_job(job: Job, costs: Costs, data: Data | None = None) -> tuple[dict
     n, world = config.workers, config.workers + (config.servers or 0)
     cpu = torch.device("cpu")
     replicas = [job.build_replica(data, cpu) for _ in range(world)]
-    tensors = len(replicas[0].boundaries) - 1
-    if costs.gradient_ready and len(costs.gradient_ready) != tensors:
-        raise ConfigError(f"profile {config.profile!r}: gradient_ready has {len(costs.gradient_ready)} fractions, the "
-                          f"model {tensors} parameter tensors; run ako calibrate for this model")  # fmt: skip
     job.validate(data, replicas[0].numel)
     env = simpy.Environment()
     threads = torch.get_num_threads()
