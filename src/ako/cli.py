@@ -48,12 +48,19 @@ def _strategy_flags() -> dict:
 _FLAGS = {
     "strategy": (f"synchronisation strategy: {', '.join(STRATEGIES)}", {}),
     "workers": ("number of workers (under torchrun: the world size less --servers)", {}),
-    "dataset": ("fashion-mnist, mnist, digits, auto (fashion-mnist if found, else digits), or your own as "
+    "dataset": ("fashion-mnist, mnist, digits, auto (fashion-mnist if found, else digits); text: fortunes (Debian's "
+                "fortunes) or text:PATH (a UTF-8 file, or a folder of .txt files); or your own as "
                 "package.module:factory (a function returning the train and test sets)", {}),
     "data_dir": ("directory with the IDX files (else $AKO_DATA_DIR, else /usr/share/datasets/<name>)", {}),
     "train_samples": ("use only the first N training examples", {}),
     "test_samples": ("use only the first N test examples", {}),
-    "model": ("mlp, cnn, resnet, or your own as package.module:factory (a function returning an nn.Module)", {}),
+    "model": ("mlp, cnn, resnet (images), gpt (text), or your own as package.module:factory (a function returning "
+              "an nn.Module)", {}),
+    "context": ("text: tokens per sequence (a sample), and the gpt's context", {}),
+    "layers": ("gpt: transformer blocks", {}),
+    "heads": ("gpt: attention heads", {}),
+    "width": ("gpt: embedding width (a multiple of --heads)", {}),
+    "dropout": ("gpt: dropout rate", {}),
     "batch_size": ("mini-batch size per worker (per micro-batch with --accumulate)", {}),
     "accumulate": ("micro-batches per optimizer step (gradient accumulation)", {}),
     "num_workers": ("data-loading processes per worker (as DataLoader's num_workers)", {}),
@@ -137,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrate", help="measure compute seconds per sample here and write a cluster profile",
         description="Time forward and backward here (one thread, as a worker runs) and write a profile for ako simulate --profile.",
     )  # fmt: skip
-    _add_flags(calibrate, {k: _FLAGS[k] for k in ("model", "dataset", "data_dir")})
+    _add_flags(calibrate, {k: _FLAGS[k] for k in ("model", "dataset", "data_dir", "context", "layers", "heads", "width")})
     _add_flags(calibrate, {"batch_size": ("mini-batch size to time, as the simulated workers' will be", _FLAGS["batch_size"][1])})
     calibrate.add_argument("--out", metavar="FILE", type=_path, help="where to write the profile (default: <model>-profile.toml)")
     calibrate.add_argument(
@@ -224,6 +231,7 @@ def _none(name: str, value):
 def cmd_info() -> int:
     """`ako info`: strategies, models, and where each data set was found."""
     from ako.data import DATASETS, find_data_dir
+    from ako.data.text import FORTUNES_DIR
     from ako.models import MODELS
 
     print(f"strategies: {', '.join(STRATEGIES)}")
@@ -238,6 +246,7 @@ def cmd_info() -> int:
             where = find_data_dir(name)
             print(f"data set {name}: {where if where else 'not found'}")
     print("data set digits: bundled with scikit-learn")
+    print(f"data set fortunes: {FORTUNES_DIR if os.path.isdir(FORTUNES_DIR) else 'not found'}; text:PATH: any UTF-8 text")
     return 0
 
 

@@ -21,7 +21,8 @@ import torch
 from ako.checks import ConfigError, choice, integer, number, show
 from ako.cluster import ClusterError, check_stragglers
 from ako.data.datasets import DATASETS
-from ako.models import MODELS
+from ako.data.text import is_text
+from ako.models import GPT_OPTIONS, MODELS
 from ako.strategies import STRATEGIES as REGISTRY
 
 STRATEGIES = tuple(REGISTRY)
@@ -45,6 +46,11 @@ class TrainConfig:
     train_samples: int | None = None  # use only the first k training examples (quick runs)
     test_samples: int | None = None
     model: str = "cnn"
+    context: int = 128  # text data: tokens per sequence (a sample), and the gpt model's context
+    layers: int = 4  # gpt: transformer blocks
+    heads: int = 4  # gpt: attention heads
+    width: int = 128  # gpt: embedding width (a multiple of heads)
+    dropout: float = 0.0  # gpt: dropout rate
     batch_size: int = 64  # per worker, per micro-batch (`accumulate` of them per optimizer step)
     accumulate: int = 1  # micro-batches per optimizer step (gradient accumulation)
     num_workers: int = 0  # data-loading processes per worker (torch DataLoader's num_workers)
@@ -297,7 +303,9 @@ def validate(config: TrainConfig, simulated: bool = False, given: frozenset[str]
     if ":" not in c.model and c.model != CUSTOM and c.model not in MODELS:  # else the job imports or refuses it
         raise ConfigError(f"unknown model {c.model!r}: choose one of {', '.join(MODELS)}, or give your own as package.module:factory")
     if ":" not in c.dataset and c.dataset != CUSTOM and c.dataset not in DATASETS:
-        raise ConfigError(f"unknown data set {c.dataset!r}: choose one of {', '.join(DATASETS)}, or give your own as package.module:factory")
+        raise ConfigError(f"unknown data set {c.dataset!r}: choose one of {', '.join(DATASETS)}, text:PATH, "
+                          "or give your own as package.module:factory")  # fmt: skip
+    _validate_language_model(c, given)
     if c.data_dir is not None and c.dataset == "digits":
         raise ConfigError(f"data_dir {c.data_dir!r}: digits is bundled with scikit-learn and reads no files; "
                           "--data-dir is for the IDX data sets (fashion-mnist, mnist, auto)")  # fmt: skip
@@ -347,6 +355,30 @@ def validate(config: TrainConfig, simulated: bool = False, given: frozenset[str]
         if getattr(c, name) is not None and not isinstance(getattr(c, name), bool):
             raise ConfigError(f"{name} {show(getattr(c, name))}: must be true or false")
     return c
+
+
+def _validate_language_model(c: TrainConfig, given: frozenset[str]) -> None:
+    """The text and gpt settings: context for text data (or a gpt), the gpt's sizes for the gpt
+    only (refused for another model when given, or not at their defaults), and a built-in
+    image model refused on text."""
+    c.context = integer("context", c.context, low=1, high=1 << 20)
+    for name in ("layers", "heads", "width"):
+        setattr(c, name, integer(name, getattr(c, name), low=1, high=1 << 16))
+    c.dropout = number("dropout", c.dropout, low=0.0, high=1.0, high_open=True)
+    if c.width % c.heads:
+        raise ConfigError(f"width {c.width}: must be a multiple of heads ({c.heads})")
+    text = is_text(c.dataset)
+    if text and c.data_dir is not None:
+        raise ConfigError(f"data_dir {c.data_dir!r}: a text data set names its file or folder itself (text:PATH); "
+                          "--data-dir is for the IDX data sets (fashion-mnist, mnist, auto)")  # fmt: skip
+    if text and c.model in MODELS and c.model != "gpt":
+        raise ConfigError(f"model {c.model!r} is an image model: train text ({c.dataset}) with --model gpt, "
+                          "or your own as package.module:factory")  # fmt: skip
+    for name in ("context", *GPT_OPTIONS):
+        users = (text or c.model == "gpt") if name == "context" else c.model == "gpt"
+        if not users and (name in given or getattr(c, name) != FIELDS[name].default):
+            what = "text data (--dataset fortunes or text:PATH) and the gpt model" if name == "context" else "the gpt model"
+            raise ConfigError(f"{name} {getattr(c, name)}: only {what} take{'s' if name != 'context' else ''} it")
 
 
 def _check_reachable(goal: Target) -> None:

@@ -132,7 +132,7 @@ def format_summary(s: dict) -> str:
         f"of training{paused}",
         *_metric_lines(s),
         *_replica_lines(s),
-        f"  throughput       {s['samples_per_second']:.0f} samples/{sec}; samples trained per worker{f' ({_ranks(s)})' if _ranks(s) else ''} "
+        f"  throughput       {s['samples_per_second']:.0f} samples/{sec}{_tokens(s, sec)}; samples trained per worker{f' ({_ranks(s)})' if _ranks(s) else ''} "
         + per_worker(s, "samples"),
         f"  sent per worker  {s['bytes_sent_per_worker_per_second'] / 1e6:.2f} MB/{sec} "
         f"(received {s['bytes_received_per_worker_per_second'] / 1e6:.2f} MB/{sec})",
@@ -197,13 +197,14 @@ def _metric_lines(s: dict) -> list[str]:
     """The test metrics of rank 0's replica (and of the average and the centre), the time to
     each accuracy milestone, and the time to the target."""
     lines = []
+    language = s.get("tokens_per_sample") is not None
     for name, value in s["test_metrics"].items():
-        text = f"{figure(value)} (rank 0's replica)"
+        text = f"{figure(value)}{' nats per token' if language and name == 'loss' else ''} (rank 0's replica)"
         for where, label in (("average", "average of the replicas"), ("centre", "centre variable")):
             present = "average_time_to_accuracy" in s if where == "average" else f"{where}_{name}" in s
             if present and f"{where}_{name}" in s:
                 text += f", {figure(s[f'{where}_{name}'])} ({label})"
-        lines.append(f"  test {name:<11} {text}")
+        lines.append(f"  {'validation' if language else 'test'} {name:<{5 if language else 11}} {text}")
     target = s.get("target_accuracy")
     if s["time_to_accuracy"]:
         lines.append(f"  time to accuracy {_milestone_text(s['time_to_accuracy'], _unit(s))}" + ("" if target is None else f"  (target {target:.0%})"))
@@ -211,6 +212,11 @@ def _metric_lines(s: dict) -> list[str]:
         reached = s["time_to_target"]
         lines.append(f"  time to target   {s['target']}: {'not reached' if reached is None else f'{duration(reached)} {_unit(s)}'}")
     return lines
+
+
+def _tokens(s: dict, sec: str) -> str:
+    """A language model's throughput in tokens: " (12345 tokens/s)", else ""."""
+    return f" ({s['tokens_per_second']:.0f} tokens/{sec})" if s.get("tokens_per_second") is not None else ""
 
 
 def _data_line(s: dict) -> str | None:

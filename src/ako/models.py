@@ -8,6 +8,7 @@ which is what the strategies exchange (BatchNorm's running statistics would stay
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -27,14 +28,23 @@ def register(name: str):
     return add
 
 
-def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
-    """Build the registered model `name` for inputs of shape (C, H, W) and `num_classes` classes.
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, **options) -> nn.Module:
+    """Build the registered model `name` for inputs of shape (C, H, W) (the gpt: (context,) token
+    ids) and `num_classes` classes (the gpt: the vocabulary's size); `options` are the gpt's sizes
+    (`GPT_OPTIONS`).
 
     Raises ValueError (one line, naming the choices) for an unknown name.
     """
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
-    return MODELS[name](tuple(input_shape), num_classes)
+    return MODELS[name](tuple(input_shape), num_classes, **options)
+
+
+def model_options(name: str, settings) -> dict:
+    """The keyword arguments of model `name` from `settings` (a TrainConfig, or a dict of its
+    fields): the gpt's sizes; none for the image models."""
+    get = settings.get if isinstance(settings, dict) else lambda k, d=None: getattr(settings, k, d)
+    return {k: get(k) for k in GPT_OPTIONS if get(k) is not None} if name == "gpt" else {}
 
 
 def _flat_size(features: nn.Module, input_shape: tuple[int, int, int]) -> int:
@@ -165,3 +175,90 @@ def resnet(input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
         nn.Flatten(),
         nn.Linear(64, num_classes),
     )
+
+
+class _Attention(nn.Module):
+    """Causal multi-head self-attention through `scaled_dot_product_attention` (its fused
+    kernels): x (B, T, width) -> (B, T, width)."""
+
+    def __init__(self, width: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, width = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, width // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, t, width))
+
+
+class _Layer(nn.Module):
+    """A pre-LayerNorm transformer block: x + attention(norm(x)), then + MLP(norm(x)) with a 4x
+    hidden layer and GELU."""
+
+    def __init__(self, width: int, heads: int, dropout: float):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attention = _Attention(width, heads, dropout)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.Dropout(dropout))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attention(self.norm1(x)))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """A decoder-only transformer language model (GPT-2's shape, as nanoGPT has it): token and
+    learned position embeddings, `layers` pre-LayerNorm blocks of causal self-attention and a
+    4x MLP, a final LayerNorm, and an output layer tied to the token embedding.
+
+    Maps token ids (B, T), int64 with T <= context, to next-token logits (B, T, vocab_size).
+    Initialised as GPT-2: normal(0, 0.02), the residual projections scaled by 1/sqrt(2 layers).
+    At the defaults and a 96-character vocabulary: 818,432 parameters (3.3 MB in fp32).
+
+    Raises ValueError when width is not a multiple of heads.
+    """
+
+    def __init__(self, vocab_size: int, context: int = 128, layers: int = 4, heads: int = 4, width: int = 128,
+                 dropout: float = 0.0):  # fmt: skip
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width {width} is not a multiple of heads {heads}")
+        self.context = context
+        self.tokens = nn.Embedding(vocab_size, width)
+        self.positions = nn.Embedding(context, width)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.Sequential(*(_Layer(width, heads, dropout) for _ in range(layers)))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab_size, bias=False)
+        self.head.weight = self.tokens.weight  # tied (Press & Wolf 2017): one tensor, counted once
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("proj.weight", "mlp.2.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        if t > self.context:
+            raise ValueError(f"a sequence of {t} tokens is longer than the model's context of {self.context}")
+        x = self.drop(self.tokens(idx) + self.positions(torch.arange(t, device=idx.device)))
+        return self.head(self.norm(self.blocks(x)))
+
+
+GPT_OPTIONS = ("layers", "heads", "width", "dropout")  # TrainConfig fields the gpt model takes (and context)
+
+
+@register("gpt")
+def gpt(input_shape: tuple[int, ...], num_classes: int, layers: int = 4, heads: int = 4, width: int = 128,
+        dropout: float = 0.0) -> nn.Module:  # fmt: skip
+    """`GPT` for sequences of input_shape = (context,) token ids over a vocabulary of
+    `num_classes` tokens (a text data set's)."""
+    if len(input_shape) != 1:
+        raise ValueError(f"gpt takes sequences of token ids, not inputs of shape {tuple(input_shape)}: train it on text "
+                         "(--dataset fortunes or text:PATH)")  # fmt: skip
+    return GPT(num_classes, input_shape[0], layers, heads, width, dropout)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -26,16 +27,35 @@ EvalFn = Callable[[nn.Module, Any], dict]  # (model, batch) -> {metric: mean ove
 
 
 def classification_loss(model: nn.Module, batch) -> torch.Tensor:
-    """The default loss: mean cross-entropy of `model(x)` (B, classes) against labels y (B,)."""
+    """The default loss: mean cross-entropy of `model(x)` (B, classes) against labels y (B,);
+    of a language model's logits (B, T, vocabulary) against next tokens y (B, T), per token."""
     x, y = batch
-    return F.cross_entropy(model(x), y)
+    return F.cross_entropy(model(x).flatten(0, -2), y.flatten())
 
 
 def classification_metrics(model: nn.Module, batch) -> dict:
-    """The default evaluation: mean cross-entropy ("loss") and accuracy (fraction in [0, 1])."""
+    """The default evaluation: mean cross-entropy ("loss", nats per sample, or per token for a
+    language model's (B, T, vocabulary) logits) and accuracy (fraction in [0, 1]: of next
+    tokens predicted, for a language model)."""
     x, y = batch
-    logits = model(x)
+    logits = model(x).flatten(0, -2)
+    y = y.flatten()
     return {"loss": F.cross_entropy(logits, y).item(), "accuracy": (logits.argmax(1) == y).float().mean().item()}
+
+
+def language_model_metrics(model: nn.Module, batch) -> dict:
+    """A language model's evaluation (the default on text): `classification_metrics` per token;
+    `Replica.evaluate` adds the perplexity, exp(mean loss), through `finish`."""
+    return classification_metrics(model, batch)
+
+
+def _perplexity(metrics: dict) -> dict:
+    """`metrics` with "perplexity" = exp("loss") (the loss in nats per token, averaged first:
+    the mean of per-batch perplexities would not be one); capped where exp overflows."""
+    return {**metrics, "perplexity": math.exp(min(metrics["loss"], 700.0))}
+
+
+language_model_metrics.finish = _perplexity
 
 
 class LossScale:
@@ -241,7 +261,9 @@ class Replica:
         for idx, metrics in zip(batches, self.map_batches(functools.partial(self._batch_metrics, dataset), batches)):
             for name, value in metrics.items():
                 sums[name] = sums.get(name, 0.0) + float(value) * len(idx)
-        return {name: total / len(dataset) for name, total in sums.items()}
+        means = {name: total / len(dataset) for name, total in sums.items()}
+        finish = getattr(self.eval_fn, "finish", None)  # metrics of the whole set, from the means
+        return means if finish is None else finish(means)
 
     @torch.no_grad()  # on the thread that runs it: grad mode is per thread
     def _batch_metrics(self, dataset, idx: torch.Tensor) -> dict:

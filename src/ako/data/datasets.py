@@ -22,8 +22,9 @@ from torch.utils.data import TensorDataset
 
 from ako.data.errors import DataError
 from ako.data.idx import read_idx_pair
+from ako.data.text import Vocabulary, is_text, load_text
 
-DATASETS = ("fashion-mnist", "mnist", "digits", "auto")
+DATASETS = ("fashion-mnist", "mnist", "digits", "auto", "fortunes")  # and text:PATH
 
 DEFAULT_DIRS = {
     "fashion-mnist": "/usr/share/datasets/fashion-mnist",
@@ -61,7 +62,9 @@ class DataSplit:
         source: the directory the files came from, or "scikit-learn bundled digits".
         notice: for "auto" when it fell back to digits, a one-line explanation; else None.
         standardisation: (mean, std) in pixel units (0..255 for IDX, 0..16 for digits): a
-            sample is ``(pixel - mean) / std``.
+            sample is ``(pixel - mean) / std``; None for text.
+        vocabulary: a text data set's (`ako.data.text`), whose samples are sequences of
+            token ids (``input_shape`` (context,), ``num_classes`` the vocabulary's size).
     """
 
     name: str
@@ -71,7 +74,8 @@ class DataSplit:
     num_classes: int
     source: str
     notice: str | None = None
-    standardisation: tuple[float, float] = (0.0, 1.0)
+    standardisation: tuple[float, float] | None = (0.0, 1.0)
+    vocabulary: Vocabulary | None = None
 
 
 @dataclass(frozen=True)
@@ -113,8 +117,10 @@ def load_dataset(
     data_dir: str | os.PathLike | None = None,
     train_samples: int | None = None,
     test_samples: int | None = None,
+    context: int = 128,
 ) -> DataSplit:
-    """Load a data set by name, standardised, as float32 images and int64 labels.
+    """Load a data set by name: images standardised, as float32 images and int64 labels; text
+    ("fortunes", "text:PATH") as sequences of `context` token ids (`ako.data.text.load_text`).
 
     Args:
         name: one of :data:`DATASETS`. "auto" is fashion-mnist when its files are found, else
@@ -134,8 +140,12 @@ def load_dataset(
             names expected); a damaged file; labels out of range; train and test image sizes
             differ; a sample count out of range.
     """
+    if is_text(name):
+        text = load_text(name, context, train_samples, test_samples)
+        return DataSplit(name, text.train, text.test, (context,), text.vocabulary.size, text.source,
+                         standardisation=None, vocabulary=text.vocabulary)  # fmt: skip
     if name not in DATASETS:
-        raise DataError(f"unknown data set {name!r}: choose one of {', '.join(DATASETS)}")
+        raise DataError(f"unknown data set {name!r}: choose one of {', '.join(DATASETS)}, or text:PATH")
     notice = None
     if name == "auto":
         name = "fashion-mnist"

@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
+from ako.data.text import TokenWindows
+
 # Multiplier that spreads (seed, epoch) pairs apart before seeding torch's generator.
 _EPOCH_STRIDE = 1_000_003
 _SEED_MODULUS = 2**64  # torch.Generator.manual_seed accepts values in [0, 2**64)
@@ -102,7 +104,8 @@ class ShardSampler:
 
 
 def fetch(dataset: Dataset, indices: torch.Tensor, collate_fn=None):
-    """Gather the examples at ``indices`` (int64 ``(B,)``) as one batch.
+    """Gather the examples at ``indices`` (int64 ``(B,)``) as one batch (a text data set's
+    `TokenWindows` in one gather, as (x, y), each (B, context)).
 
     With no ``collate_fn``, a ``TensorDataset`` is indexed directly (one gather per tensor,
     giving a tuple of tensors with leading dimension B); any other map-style dataset goes
@@ -114,6 +117,8 @@ def fetch(dataset: Dataset, indices: torch.Tensor, collate_fn=None):
     """
     if collate_fn is None and isinstance(dataset, TensorDataset):
         return tuple(t.index_select(0, indices) for t in dataset.tensors)
+    if collate_fn is None and isinstance(dataset, TokenWindows):
+        return dataset.batch(indices)
     return (collate_fn or default_collate)([dataset[i] for i in indices.tolist()])
 
 

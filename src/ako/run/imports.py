@@ -15,7 +15,7 @@ from ako.checks import ConfigError
 
 def is_spec(name: str) -> bool:
     """Whether `name` names a factory (`package.module:factory`) rather than a built-in."""
-    return isinstance(name, str) and ":" in name
+    return isinstance(name, str) and ":" in name and not name.startswith("text:")  # text:PATH is a data set
 
 
 def import_factory(setting: str, spec: str) -> Callable:

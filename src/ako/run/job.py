@@ -16,9 +16,10 @@ from torch.utils.data import default_collate
 
 from ako.config import CUSTOM, USER_FUNCTIONS, ConfigError, TrainConfig
 from ako.data import DataError, load_dataset
-from ako.models import build_model
+from ako.data.text import Vocabulary
+from ako.models import build_model, model_options
 from ako.optim import Optimization, OptimizerFn, SchedulerFn, warmup_steps
-from ako.replica import EvalFn, LossFn, Replica
+from ako.replica import EvalFn, LossFn, Replica, language_model_metrics
 from ako.run import preflight
 from ako.run.imports import call_factory, first_line, import_factory, is_spec, spec_of
 from ako.strategies import STRATEGIES, Strategy
@@ -37,6 +38,12 @@ class Data:
     notice: str | None = None
     collate_fn: Callable | None = None
     standardisation: tuple[float, float] | None = None  # a built-in set's (mean, std) in pixel units
+    vocabulary: Vocabulary | None = None  # a text data set's: its samples are (context,) token ids
+
+    @property
+    def tokens_per_sample(self) -> int | None:
+        """Tokens in one sample of a text data set (its context); None for other data."""
+        return None if self.vocabulary is None else self.input_shape[0]
 
 
 @dataclass
@@ -111,9 +118,9 @@ class Job:
         if train is not None:
             shape, classes = (None, None) if self.model_fn is not None else _shape_and_classes(train)
             return Data(train, test, shape, classes, name, collate_fn=self.collate_fn)
-        split = load_dataset(c.dataset, c.data_dir, c.train_samples, c.test_samples)
+        split = load_dataset(c.dataset, c.data_dir, c.train_samples, c.test_samples, c.context)
         return Data(split.train, split.test, split.input_shape, split.num_classes, split.name, split.notice,
-                    self.collate_fn, split.standardisation)  # fmt: skip
+                    self.collate_fn, split.standardisation, split.vocabulary)  # fmt: skip
 
     def resolved(self, data: Data) -> Job:
         """This job as it really runs: with the data set `auto` chose, the model by its
@@ -158,10 +165,11 @@ class Job:
     def build_model(self, data: Data) -> nn.Module:
         """A fresh model, initialised from the run seed (identical on every worker). Raises
         ConfigError (one line) when the factory fails or gives no module."""
-        torch.manual_seed(self.config.seed)
+        c = self.config
+        torch.manual_seed(c.seed)
         if self.model_fn is None:
             try:
-                return build_model(self.config.model, data.input_shape, data.num_classes)
+                return build_model(c.model, data.input_shape, data.num_classes, **model_options(c.model, c))
             except (RuntimeError, ValueError) as e:  # a built-in model sizes its layers from the input shape
                 raise ConfigError(f"model {self.model_name!r} cannot take inputs of shape {tuple(data.input_shape)}: "
                                   f"{str(e).splitlines()[0][:200]}") from None  # fmt: skip
@@ -174,7 +182,8 @@ class Job:
         """A replica of a fresh model (`build_model`) with the run's optimizer and training step."""
         model = self.build_model(data).to(device)
         c = self.config
-        return Replica(model, self.optimization(data), self.loss_fn, self.eval_fn, data.collate_fn, c.precision)
+        eval_fn = self.eval_fn or (language_model_metrics if data.vocabulary is not None else None)
+        return Replica(model, self.optimization(data), self.loss_fn, eval_fn, data.collate_fn, c.precision)
 
     def check(self, processes: int = 1, out_dir: bool = True) -> tuple[Data, Replica]:
         """Everything about the job itself that can fail before processes start

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from ako.config import to_toml
+from ako.data.text import VOCABULARY_FILE
 from ako.metrics import MetricsLog, build_summary, create_run_dir, format_summary, objective, write_atomic, write_summary
 from ako.run.consensus import consensus_distance
 from ako.run.evaluation import prefixed
@@ -66,10 +67,12 @@ def rank_report(rank: int, state: WorkerState | None, facts: dict, sent: int, re
 
 
 def open_run_dir(config, strategy: str, data) -> Path:
-    """A new run directory under `config.out_dir` with the run's config.toml; prints the data
-    set's notice (a fallback it took), if any."""
+    """A new run directory under `config.out_dir` with the run's config.toml (and a text data
+    set's vocabulary.json); prints the data set's notice (a fallback it took), if any."""
     run_dir = create_run_dir(config.out_dir, strategy)
     write_atomic(run_dir / "config.toml", to_toml(config))
+    if data.vocabulary is not None:  # what decodes the model's tokens (`ako generate`)
+        data.vocabulary.save(run_dir / VOCABULARY_FILE)
     if data.notice:
         print(f"ako: {data.notice}", file=sys.stderr)
     return run_dir
@@ -117,6 +120,8 @@ workers lost before it, which began again as copies of rank 0's part.
         job.strategy.name, job.config, data.name, reports, state.evaluator.log.records, final,
         bool(finals), state.clock.now(), state.clock.wall(),
     )  # fmt: skip
+    if data.vocabulary is not None:
+        summary.update(language_model_figures(summary, data, job.config))
     if job.strategy.summarise is not None:
         summary.update(job.strategy.summarise(reports))
     if facts.get("centre") is not None:
@@ -135,6 +140,19 @@ workers lost before it, which began again as copies of rank 0's part.
     summary["resumed_as_rank_0"] = list(restarted)
     summary["run_dir"] = str(run_dir)
     return summary, model.detach().cpu().clone()
+
+
+def language_model_figures(summary: dict, data, config) -> dict:
+    """A language model's own summary fields: tokens per sample (the context) and per second,
+    the vocabulary's file, and no accuracy milestones (next-token accuracy is not what a
+    language model is judged by: its validation loss and `--target loss<=X` are)."""
+    figures = {"tokens_per_sample": data.tokens_per_sample, "vocabulary": VOCABULARY_FILE,
+               "tokens_per_second": round(summary["samples_per_second"] * data.tokens_per_sample, 1)}  # fmt: skip
+    if config.target_accuracy is None:
+        figures["time_to_accuracy"] = {}
+        if "average_time_to_accuracy" in summary:
+            figures["average_time_to_accuracy"] = {}
+    return figures
 
 
 def data_use(job: Job, data) -> dict:

@@ -155,8 +155,9 @@ class WorkerState:
         # after training, each record is logged as soon as it is known: Ctrl-C then keeps them
         metrics = self.evaluator.evaluate(final, each=final)
         if self.bar is not None and metrics:
-            name = self.goal.metric if self.goal is not None else "accuracy" if "accuracy" in metrics else next(iter(metrics))
-            self.bar.set_postfix({name[:8]: f"{metrics[name]:.4f}", "epoch": f"{self.cursor.epoch:.2f}"})
+            name = shown_metric(metrics, self.goal)
+            label = "val_loss" if name == "loss" and "perplexity" in metrics else name[:8]
+            self.bar.set_postfix({label: f"{metrics[name]:.4f}", "epoch": f"{self.cursor.epoch:.2f}"})
         return metrics
 
     def _checkpoint(self) -> None:
@@ -264,3 +265,13 @@ class WorkerState:
         self.evaluator.keep(self._progress_record(), None, extra=final_fields)
         self._evaluate(final=True)
         return self.evaluator.log.records[-1]
+
+
+def shown_metric(metrics: dict, goal=None) -> str:
+    """The evaluated metric a progress bar shows: the target's, else a language model's loss,
+    else accuracy, else the first one."""
+    if goal is not None and goal.metric in metrics:
+        return goal.metric
+    if "perplexity" in metrics:
+        return "loss"
+    return "accuracy" if "accuracy" in metrics else next(iter(metrics))

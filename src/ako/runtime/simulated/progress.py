@@ -19,7 +19,7 @@ from collections.abc import Callable
 import simpy
 from tqdm import tqdm
 
-from ako.run.worker import BarStream
+from ako.run.worker import BarStream, shown_metric
 
 _REFRESH = 0.25  # real seconds between two updates of the figures after the bar
 
@@ -46,10 +46,11 @@ class Progress:
 
     def figures(self, real: float) -> dict:
         """What the bar shows after the count: virtual seconds, virtual seconds per real
-        second, and rank 0's last logged test accuracy (or its first metric), with its epoch."""
+        second, and rank 0's last logged test accuracy (a language model's loss, or the first metric), with its epoch."""
         shown = {"virtual": f"{self.env.now:.3g} s", "virtual/real": f"{self.env.now / max(real, 1e-9):.3g}"}
         record = self.last_metrics() or {}
-        metric = "test_accuracy" if "test_accuracy" in record else next((k for k in record if k.startswith("test_")), None)
+        tested = {k.removeprefix("test_"): v for k, v in record.items() if k.startswith("test_")}
+        metric = "test_" + shown_metric(tested) if tested else None
         if metric is not None:
             shown[metric.removeprefix("test_")[:8]] = f"{record[metric]:.4f} at epoch {record.get('epoch', 0):.2f}"
         return shown
