@@ -189,7 +189,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         checkpoint.check(saved, identity, str(checkpoint.path(run_dir, point, rank)), contents=True)
     checkpoints = None
     if config.checkpoint_every is not None:
-        checkpoints = checkpoint.Checkpoints(runtime, run_dir, config.checkpoint_seconds, identity, strategy.lockstep)
+        checkpoints = checkpoint.Checkpoints(runtime, run_dir, config.checkpoint_seconds, identity, strategy.lockstep, store)
         runtime.checkpoints = checkpoints
     servers = list(range(n, world))
     if rank < n:
@@ -240,10 +240,11 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     if rank == 0:
         lost = runtime.mailbox.losses()
         finishing = time.perf_counter()
-        result.summary, result.model = final_summary(job, data, state, reports, finals, facts, lost, run_dir, point, restarted)
+        result.summary, result.model, model = final_summary(job, data, state, reports, finals, facts, lost, run_dir, point,
+                                                            restarted)  # fmt: skip
         s = result.summary  # evaluations during training (the clock's pauses) and after it
         s["evaluation_seconds"] = round(s["wall_seconds"] - s["train_seconds"] + time.perf_counter() - finishing, 3)
-        publish(run_dir, result.summary)
+        publish(run_dir, result.summary, model=model, log=state.evaluator.log, retry_for=config.timeout)
     return result, bool(runtime.mailbox.lost)
 
 
