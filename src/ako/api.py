@@ -23,6 +23,7 @@ from torch import nn
 from ako.config import CUSTOM, FIELDS, ConfigError, TrainConfig, load_toml, run_config, validate
 from ako.optim import OptimizerFn, SchedulerFn
 from ako.replica import EvalFn, LossFn
+from ako.run import lock
 from ako.run.job import Job
 from ako.run.outcome import MODEL_FILE, WorkerResult
 from ako.run.preflight import check_free_space, check_out_dir
@@ -100,6 +101,7 @@ def train(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set: Da
         return RunResult(result.summary, [result])
     _check_picklable(job)
     if job.config.resume is not None:
+        lock.check_free(job.config.resume)
         checkpoint.check_unfinished(job.config)
         point = checkpoint.find(job.config.resume, job.identity(replica.numel), job.config.workers, buffers=replica.buffer_layout())
         checkpoint.check_ahead(job.config, point, len(data.train))

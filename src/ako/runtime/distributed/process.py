@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ako.config import ConfigError, to_toml
 from ako.metrics import write_atomic
+from ako.run import lock
 from ako.run.job import Job
 from ako.run.evaluation import snapshots_kept
 from ako.run.outcome import WorkerResult, final_summary, open_log, open_run_dir, publish
@@ -129,6 +130,7 @@ def run_rank(job: Job) -> WorkerResult:
     try:
         return _run_rank(job)
     finally:
+        lock.release_all()  # the run directory's, held by rank 0 (`_run_dir`)
         quiet.drain()  # the caller's stderr as it was (ako.train under torchrun runs in the user's process)
 
 
@@ -323,6 +325,7 @@ def _run_dir(job: Job, data, rank: int, store: dist.Store, runtime: DistributedR
             point = checkpoint.find(run_dir, identity, config.workers, True, buffers) if found else None
         else:
             run_dir, point = open_run_dir(config, job.strategy.name, data), None
+        lock.hold(run_dir)  # before anything is written into it: one writer per run directory
         if point is not None:  # checkpoints after `point` belong to the abandoned run: drop them
             checkpoint.drop_after(run_dir, point)
             keep_earlier_config(run_dir, to_toml(replace(config, resume=None)), point)
