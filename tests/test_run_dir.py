@@ -47,3 +47,21 @@ def test_a_run_holds_its_directory_s_lock_while_it_trains_and_drops_it_at_the_en
     result = ako.train(small_config(tmp_path, strategy="allreduce"), loss_fn=loss_checking_the_lock)
     assert result.summary["iterations"] == 6
     lock.check_free(result.summary["run_dir"])
+
+
+def test_a_resume_from_a_file_says_it_is_a_file(tmp_path, capsys):
+    run_dir = checkpointed_run(tmp_path, strategy="allreduce")
+    file = run_dir / "config.toml"
+    code = main(["train", "--resume", str(file)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"resume {str(file)!r}: a file, not a run directory" in err
+
+
+@pytest.mark.skipif(not os.path.isdir("/usr/share/datasets/fashion-mnist"), reason="needs Fashion-MNIST (Debian's dataset-fashion-mnist)")
+def test_a_resume_onto_another_data_set_names_the_data_set(tmp_path, capsys):
+    run_dir = checkpointed_run(tmp_path, strategy="allreduce")
+    code = main(["train", "--resume", str(run_dir), "--dataset", "fashion-mnist", "--epochs", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "written by a run with dataset 'digits', not 'fashion-mnist'" in err

@@ -103,7 +103,7 @@ def train(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set: Da
     if job.config.resume is not None:
         lock.check_free(job.config.resume)
         checkpoint.check_unfinished(job.config)
-        point = checkpoint.find(job.config.resume, job.identity(replica.numel), job.config.workers, buffers=replica.buffer_layout())
+        point = checkpoint.find(job.config.resume, job.identity(replica.numel, data.name), job.config.workers, buffers=replica.buffer_layout())
         checkpoint.check_ahead(job.config, point, len(data.train))
     check_free_space(job.config.resume or job.config.out_dir, replica)
     check_out_dir(job.config.out_dir)  # last: bad input makes no folder

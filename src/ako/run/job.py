@@ -183,12 +183,14 @@ class Job:
         ConfigError or DataError with a one-line message."""
         return preflight.check(self, processes, out_dir)
 
-    def identity(self, numel: int) -> dict:
-        """What a checkpoint must agree with for this job to resume from it."""
+    def identity(self, numel: int, dataset: str) -> dict:
+        """What a checkpoint must agree with for this job to resume from it: `dataset` is the
+        data's name (`Data.name`; a user's data set in memory is "custom"), before `numel`, the
+        parameter count, so that a resume onto other data names the data."""
         c = self.config
         world = c.workers + (c.servers or 0)
         return {"strategy": self.strategy.name, "model": self.model_name, "optimizer_name": self.optimizer_name,
-                "numel": numel, "world": world}  # fmt: skip
+                "dataset": dataset, "numel": numel, "world": world}  # fmt: skip
 
     def validate(self, data: Data, numel: int) -> None:
         """The settings that depend on the data and the model: the strategy's options against

@@ -50,6 +50,7 @@ from ako.strategies.tags import CHECKPOINT
 
 FORMAT = 1
 _KEEP = 2
+_SINCE_LATER = ("dataset",)  # identity fields that files written before 2026-12-05 lack
 
 
 class CheckpointError(ConfigError):
@@ -235,6 +236,8 @@ def check(state: dict, expected: dict, file: str, contents: bool = False, buffer
     if contents and role not in _LAYOUT:
         raise DamagedCheckpoint(f"checkpoint {file!r}: damaged, its role is {role!r:.40}, not 'worker' or 'server'")
     for key, want in expected.items():
+        if key in _SINCE_LATER and key not in state:  # a file of an older ako: it does not say
+            continue
         if state.get(key) != want:
             raise CheckpointError(
                 f"checkpoint {file!r}: written by a run with {key} {state.get(key)!r:.60}, not {want!r}; "
@@ -303,7 +306,8 @@ def find(run_dir: str | os.PathLike, expected: dict, workers: int, say: bool = F
     stderr says so). Raises CheckpointError: no intact complete checkpoint (the newest
     damage is named), or one written by another run."""
     if not os.path.isdir(run_dir):
-        raise CheckpointError(f"resume {str(run_dir)!r}: no such directory")
+        what = "a file, not a run directory" if os.path.exists(run_dir) else "no such directory"
+        raise CheckpointError(f"resume {str(run_dir)!r}: {what}")
     damaged: list[tuple[int, str]] = []
     for point in _points(run_dir):
         if not path(run_dir, point, 0).is_file():

@@ -180,7 +180,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         runtime.broadcast(replica.params)  # identical replicas, whatever the model factory did
     except (RuntimeError, dist.DistError) as e:
         raise StartupFailed(f"the workers did not all get ready within {startup_timeout(config.timeout):g} s: {comm_error(e)}") from None
-    identity = job.identity(replica.numel)  # what checkpoints of this run must agree with
+    identity = job.identity(replica.numel, data.name)  # what checkpoints of this run must agree with
     with _starting(runtime.limit):
         run_dir, point = _run_dir(job, data, rank, store, runtime, identity, replica.buffer_layout())
     log = open_log(run_dir, config) if rank == 0 else None
