@@ -65,3 +65,12 @@ def test_a_resume_onto_another_data_set_names_the_data_set(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert "written by a run with dataset 'digits', not 'fashion-mnist'" in err
+
+
+def test_an_over_long_out_dir_is_one_line_and_leaves_no_parent_behind(tmp_path, capsys):
+    out = tmp_path / "new" / "parent" / ("x" * 300)
+    code = main(["train", "--strategy", "allreduce", "--workers", "2", "--dataset", "digits", "--train-samples", "384",
+                 "--test-samples", "60", "--epochs", "0.5", "--no-progress", "--out-dir", str(out)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"ako: error: out_dir {str(out)!r}: cannot make it (File name too long)\n"
+    assert list(tmp_path.iterdir()) == []
