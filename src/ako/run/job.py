@@ -6,6 +6,7 @@ top-level function) and the data sets picklable. Both runtimes build replicas an
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -37,6 +38,7 @@ class Data:
     notice: str | None = None
     collate_fn: Callable | None = None
     standardisation: tuple[float, float] | None = None  # a built-in set's (mean, std) in pixel units
+    source: str | None = None  # a built-in set's: the folder of its files, or "scikit-learn bundled digits"
 
 
 @dataclass
@@ -113,13 +115,16 @@ class Job:
             return Data(train, test, shape, classes, name, collate_fn=self.collate_fn)
         split = load_dataset(c.dataset, c.data_dir, c.train_samples, c.test_samples)
         return Data(split.train, split.test, split.input_shape, split.num_classes, split.name, split.notice,
-                    self.collate_fn, split.standardisation)  # fmt: skip
+                    self.collate_fn, split.standardisation, split.source)  # fmt: skip
 
     def resolved(self, data: Data) -> Job:
-        """This job as it really runs: with the data set `auto` chose, the model by its
+        """This job as it really runs: with the data set `auto` chose (and the folder its
+        files came from, as data_dir), the model by its
         `module:factory` name where it has one (else "custom"), and the user's functions by
         theirs, so that config.toml names them for a resume."""
         names = {name: self.name_of(name) for name in USER_FUNCTIONS}
+        if data.source is not None and os.path.isdir(data.source):  # where the IDX files were found: config.toml says
+            names["data_dir"] = os.path.abspath(data.source)
         return replace(self, config=replace(self.config, dataset=data.name, model=self.model_name, **names))
 
     @property

@@ -143,10 +143,12 @@ def data_use(job: Job, data) -> dict:
     """How much of the training set an epoch uses: each worker takes whole steps of its shard
     of len(train) // workers samples, so up to workers x step_samples - 1 samples are left out
     of each epoch (other ones each epoch, as the shuffle changes), as DistributedSampler with
-    drop_last does."""
+    drop_last does; and where the data came from (`Data.source`: a folder, the bundled digits,
+    or None for the user's own data sets)."""
     c = job.config
     used = c.workers * job.steps_per_epoch(data) * c.step_samples
-    return {"train_samples": len(data.train), "samples_left_out_per_epoch": len(data.train) - used}
+    return {"train_samples": len(data.train), "samples_left_out_per_epoch": len(data.train) - used,
+            "data_source": getattr(data, "source", None)}  # where the data came from (None: the user's own)
 
 
 def _better(a, b, higher: bool) -> bool:
