@@ -143,3 +143,8 @@ def loss_checking_the_lock(model: nn.Module, batch) -> torch.Tensor:
         raise RuntimeError(f"{run_dir} is not locked while the run trains")
     x, y = batch
     return F.cross_entropy(model(x), y)
+
+
+def loss_that_raises(model: nn.Module, batch) -> torch.Tensor:
+    """A loss that imports fine and raises when called."""
+    raise ValueError("labels and logits disagree")
