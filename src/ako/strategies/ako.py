@@ -67,7 +67,7 @@ from ako.strategies.micro_batch import check_micro_batch, default_micro_batch
 from ako.strategies.ops import (AllReduce, Compute, ComputePartial, MeasureBandwidth, MeasureStep, Message, PeerLost, Poll,
                                Recv, Send, Wait)  # fmt: skip
 from ako.strategies.partition import auto_partitions, partition_bounds
-from ako.strategies.tags import AKO_PROGRESS, AKO_WINDOW
+from ako.strategies.tags import AKO_PROGRESS, AKO_REPLICA, AKO_WINDOW
 
 _EMPTY = torch.empty(0)  # the ring's progress messages carry nothing but their step
 FLUSH = -1  # `aux` of the flush message, which carries the whole accumulator; its `step` is the sender's step count
@@ -183,7 +183,34 @@ def _all_to_all(ctx, parts, s):
         yield from receive(ledger, ledger.laggard())
         ledger.settle(up_to=_FLUSH_STEP)
     assert not ledger.own and not ledger.pending, "Ako's ledger must be settled after the flush"
+    yield from average_replicas(ctx, ledger.dead)
     return t, unflushed
+
+
+def average_replicas(ctx, dead: set[int]):
+    """Make every surviving replica the same after the flush: send this replica to every peer
+    not known `dead`, and take the mean of those that come (summed in rank order, so every
+    survivor computes the same bits). Without a loss the flush has made the replicas equal
+    already (up to rounding); after one, a lost worker's last windows may have reached some
+    survivors and not others (they were in flight when it died), and the replicas differ by
+    those windows / n: the mean settles them the same way on every survivor. A peer lost
+    meanwhile is left out of the mean."""
+    mine = ctx.replica.params.clone()
+    live = [peer for peer in ctx.peers if peer not in dead]
+    for peer in live:
+        yield Send(mine, peer, AKO_REPLICA)
+    replicas = {ctx.rank: mine}
+    for peer in live:
+        while peer not in replicas:
+            try:
+                replicas[peer] = (yield Recv(AKO_REPLICA, peer)).tensor
+            except PeerLost as lost:
+                if lost.rank == peer:
+                    break  # lost meanwhile: the mean of the others
+    total = torch.zeros_like(mine)
+    for rank in sorted(replicas):
+        total.add_(replicas[rank].to(total.device))
+    ctx.replica.params.copy_(total.div_(len(replicas)))
 
 
 def receive(ledger: Ledger, peer: int):
