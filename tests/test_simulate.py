@@ -589,3 +589,19 @@ def test_sigterm_stops_a_simulation_as_ctrl_c_does(tmp_path):
     assert proc.returncode == 130 and err == f"ako: interrupted; what the run logged is in {run_dir}\n", (proc.returncode, err)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) >= 2 and not (run_dir / "summary.json").exists()
+
+
+@pytest.mark.parametrize("factor, cut", [(1.5, False), (3.0, True)])
+def test_absp_cuts_only_a_worker_late_by_more_than_a_quarter_of_its_step(tmp_path, factor, cut):
+    """Timing noise is no straggler: worker 1 at factor 1.5 is a third of a step behind when
+    worker 0 hands in, with a quarter of its assignment (one micro-batch of four) left: it
+    finishes it, and absp is bsp (to float rounding: absp sums micro-batches' gradients). At
+    factor 3 two of four are left: it is cut."""
+    common = dict(straggler=(f"rank=1,factor={factor}",), momentum=0.0, weight_decay=0.0, micro_batch=4, **COSTS)
+    absp = simulate(tmp_path / "absp", strategy="absp", **common)
+    slow = absp.summary["per_worker"][1]
+    assert (slow["handed_in"] < 1) == cut, slow
+    if not cut:
+        bsp = simulate(tmp_path / "bsp", strategy="bsp", **common)
+        for a, b in zip(absp.workers, bsp.workers, strict=True):
+            torch.testing.assert_close(a.params, b.params, rtol=0, atol=1e-5)

@@ -148,8 +148,9 @@ class DistributedRuntime:
                 return (yield from compute(self.state, self._gradient))
             case ops.ComputeAllReduce(bucket_bytes):
                 return (yield from compute_all_reduce(self.state, lambda batches, samples, slow: self._gradient(batches, samples, slow, bucket_bytes)))
-            case ops.ComputePartial(micro_batch, stop_tag, stop_step):
-                return (yield from compute_partial(self.state, self._gradient, self.mailbox.arrived, micro_batch, stop_tag, stop_step))
+            case ops.ComputePartial(micro_batch, stop_tag, stop_step, late_share):
+                return (yield from compute_partial(self.state, self._gradient, self.mailbox.arrived, micro_batch, stop_tag, stop_step,
+                                                   late_share))  # fmt: skip
             case ops.Send(tensor, dst, tag, step, aux):
                 if not (self.survives_loss and dst in self.mailbox.lost):
                     self.mailbox.send(tensor.cpu(), dst, tag, step, aux, drop_lost=self.survives_loss)
