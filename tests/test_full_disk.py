@@ -111,6 +111,7 @@ def test_a_checkpoint_that_cannot_be_written_is_skipped_with_one_line(disk, caps
                    "the one at step 3 stays the latest complete\n")  # fmt: skip
     assert checkpoint.latest(disk, 1) == 3 and checkpoint.path(disk, 3, 0).is_file()
     assert leftovers(disk) == [] and free(disk) == 4 * PAGE
+    assert sorted(p.name for p in checkpoint.directory(disk).iterdir()) == ["000000003"]  # no empty folder left
 
 
 def test_a_disk_plainly_too_small_for_the_model_is_refused_before_anything_is_written(disk, capsys):

@@ -86,7 +86,14 @@ def save(run_dir: str | os.PathLike, point: int, rank: int, world: int, state: d
             _marker(run_dir, point, r).touch()
     except OSError as e:
         raise WriteFailed(e.errno, e.strerror or str(e), str(target.parent)) from None
-    save_torch({"format": FORMAT, "point": point, "rank": rank, **state}, target)
+    try:
+        save_torch({"format": FORMAT, "point": point, "rank": rank, **state}, target)
+    except WriteFailed:
+        try:
+            target.parent.rmdir()  # no empty folder per skipped checkpoint (other ranks' files keep it)
+        except OSError:
+            pass
+        raise
     complete = latest(run_dir, world)
     mine = sorted(directory(run_dir).glob(f"*/rank{rank}.pt"))
     for old in mine[:-_KEEP]:
