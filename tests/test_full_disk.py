@@ -137,7 +137,7 @@ def test_a_model_that_does_not_fit_at_the_end_leaves_the_summary_and_says_so(dis
                  "--out-dir", str(disk / "runs")])  # fmt: skip
     out, err = capfd.readouterr()  # rank 0's process prints the summary
     (run_dir,) = (disk / "runs").iterdir()
-    reason = f"cannot write {run_dir / 'model.pt'}: No space left on device"
+    reason = f"cannot write {run_dir / 'model.pt'}: No space left on device; the model was kept in memory and tried again for 1 s"
     assert code == 1
     assert err.splitlines()[-1] == f"ako: the run finished, but {reason}", err
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -145,3 +145,18 @@ def test_a_model_that_does_not_fit_at_the_end_leaves_the_summary_and_says_so(dis
     assert summary["saved_model"]["test_accuracy"] == summary["test_accuracy"] and f"not saved        {reason}" in out
     assert sorted(p.name for p in run_dir.iterdir()) == ["config.toml", "metrics.jsonl", "summary.json"]
     assert leftovers(disk) == []
+
+
+def test_a_disk_full_before_config_toml_leaves_no_run_directory(disk, capfd):
+    """A disk full by the time rank 0 writes config.toml (filled after the start's check): the
+    error names the file and the reason, and no empty run folder is left."""
+    from ako.run import outcome
+
+    config = small_config(disk)
+    (disk / "runs").mkdir()
+    fill(disk, 0)
+    with pytest.raises(WriteFailed) as failed:
+        outcome.open_run_dir(config, "allreduce", Job(config).load_data())
+    assert str(failed.value).endswith("config.toml: No space left on device")
+    assert list((disk / "runs").iterdir()) == []
+

@@ -68,9 +68,14 @@ def rank_report(rank: int, state: WorkerState | None, facts: dict, sent: int, re
 
 def open_run_dir(config, strategy: str, data) -> Path:
     """A new run directory under `config.out_dir` with the run's config.toml; prints the data
-    set's notice (a fallback it took), if any."""
+    set's notice (a fallback it took), if any. Raises WriteFailed (the directory removed again)
+    when config.toml cannot be written."""
     run_dir = create_run_dir(config.out_dir, strategy)
-    write_atomic(run_dir / "config.toml", to_toml(config))
+    try:
+        write_atomic(run_dir / "config.toml", to_toml(config))
+    except WriteFailed:
+        run_dir.rmdir()  # a full disk at the start: no empty run directory left behind
+        raise
     if data.notice:
         print(f"ako: {data.notice}", file=sys.stderr)
     return run_dir
@@ -251,7 +256,8 @@ def publish(run_dir: Path, summary: dict, *more_lines: str, model: dict | None =
         failed = _try_write(lambda: save_model(run_dir, model, retry_for))
         if failed:
             summary["saved_model"]["file"] = None
-            not_saved += failed
+            kept = f"; the model was kept in memory and tried again for {retry_for:g} s" if retry_for > 0 else ""
+            not_saved += [f"{failed[0]}{kept}"]
     if not_saved:
         summary["not_saved"] = not_saved
         if not any(str(run_dir / "summary.json") in line for line in not_saved):
