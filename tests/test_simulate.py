@@ -94,11 +94,11 @@ def test_allreduce_schedule_with_a_straggler(tmp_path):
 def test_ako_two_partitions_lock_step_schedule(tmp_path):
     """p = 2, s = 0: each step computes c, sends partition t mod 2 (s_t bytes) to the peer
     and waits for the peer's, s_t / B + latency later; then both flush the whole accumulator
-    (G / B + latency)."""
+    (G / B + latency) and tell each other whether they lost a peer (1 byte / B + latency)."""
     result = simulate(tmp_path, strategy="ako", partitions=2, staleness=0, **COSTS)
     replica = make_replica(build_model("cnn", (1, 8, 8), 10), TrainConfig())
     sizes = [(hi - lo) * 4 for lo, hi in partition_bounds(NUMEL, 2, replica.boundaries)]
-    expected = sum(C + sizes[t % 2] / B + LAT for t in range(STEPS)) + G / B + LAT
+    expected = sum(C + sizes[t % 2] / B + LAT for t in range(STEPS)) + G / B + LAT + 1 / B + LAT
     assert virtual(result) == pytest.approx(expected, rel=1e-12)
 
 
