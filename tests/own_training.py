@@ -124,3 +124,27 @@ def no_optimizer(params):
 
 def plateau(optimizer):
     return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer)
+
+
+def loss_checking_the_lock(model: nn.Module, batch) -> torch.Tensor:
+    """Cross-entropy, after checking that the run directory under $AKO_TEST_RUNS (once there
+    is one: not in the checks before the run) is locked (by rank 0): raises RuntimeError,
+    failing the run, when it is not."""
+    from ako.run import lock
+
+    runs = os.environ["AKO_TEST_RUNS"]
+    for run_dir in (os.path.join(runs, d) for d in (os.listdir(runs) if os.path.isdir(runs) else ())):
+        if os.path.abspath(run_dir) in lock._held:  # this process (rank 0) holds it
+            continue
+        try:
+            lock.check_free(run_dir)
+        except lock.RunDirBusy:
+            continue
+        raise RuntimeError(f"{run_dir} is not locked while the run trains")
+    x, y = batch
+    return F.cross_entropy(model(x), y)
+
+
+def loss_that_raises(model: nn.Module, batch) -> torch.Tensor:
+    """A loss that imports fine and raises when called."""
+    raise ValueError("labels and logits disagree")

@@ -277,7 +277,8 @@ def test_the_better_model_is_handed_back(tmp_path):
 
 def test_bytes_per_step_are_n_minus_1_windows_over_p(tmp_path):
     """All-to-all: each step sends partition (t mod p) to the n-1 peers; with t a multiple of p
-    that is (n-1) x gradient bytes / p per step, plus the final flush (one gradient per peer)."""
+    that is (n-1) x gradient bytes / p per step, plus the final flush (one gradient per peer)
+    and after it whether a peer was lost (one byte per peer)."""
     n, p = 3, 4
     config = small_config(
         tmp_path, strategy="ako", workers=n, exchange="all-to-all", partitions=p, train_samples=3 * 16 * 8, epochs=1.0
@@ -285,7 +286,7 @@ def test_bytes_per_step_are_n_minus_1_windows_over_p(tmp_path):
     result = ako.train(config)
     for w in result.summary["per_worker"]:
         assert w["steps"] == 8
-        assert w["bytes_sent"] == 8 * (n - 1) * G // p + (n - 1) * G
+        assert w["bytes_sent"] == 8 * (n - 1) * G // p + (n - 1) * G + (n - 1)
         assert w["bytes_received"] == w["bytes_sent"]
 
 

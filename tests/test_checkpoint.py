@@ -57,7 +57,7 @@ def checkpointed_run(tmp_path, servers: int = 0, **overrides):
     path.mkdir(parents=True)
     (path / "config.toml").write_text(to_toml(config))
     for rank in range(2 + servers):
-        checkpoint.save(path, 7, rank, 2 + servers, {**job.identity(numel), **(worker_state(numel) if rank < 2 else SERVER_STATE)})
+        checkpoint.save(path, 7, rank, 2 + servers, {**job.identity(numel, "digits"), **(worker_state(numel) if rank < 2 else SERVER_STATE)})
     return path
 
 
@@ -175,7 +175,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
     says why in one whole line."""
     run_dir = checkpointed_run(tmp_path, strategy="allreduce")
     job = Job(small_config(tmp_path, checkpoint_every="1s", strategy="allreduce"))
-    identity = job.identity(job.build_replica(job.load_data(), torch.device("cpu")).numel)
+    identity = job.identity(job.build_replica(job.load_data(), torch.device("cpu")).numel, "digits")
     for rank in range(2):
         checkpoint.save(run_dir, 9, rank, 2, {**identity, **worker_state(identity["numel"])})
     checkpoint.path(run_dir, 9, 1).write_bytes(b"cut off")

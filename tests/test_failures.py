@@ -89,6 +89,20 @@ def test_killed_server_stops_the_job_naming_it(tmp_path, strategy):
     assert "Traceback" not in err, err
 
 
+def test_a_stopped_server_is_one_line_under_asp_as_under_bsp(tmp_path):
+    """SIGSTOP the server of asp (which goes on without a lost worker, never without a server):
+    the workers are not told it was "dropped"; one line names it, as under bsp."""
+    out_dir = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "ako", "train", "--strategy", "asp", "--workers", "2", "--dataset", "digits",
+           "--epochs", "1000", "--max-time", "30", "--timeout", "3", "--checkpoint-every", "0.5s",
+           "--out-dir", str(out_dir), "--no-progress"]  # fmt: skip
+    ready = lambda out_dir, deadline: wait_for_checkpoint(out_dir, 3, deadline)  # noqa: E731 -- training is under way
+    code, _, err, _ = run_and_kill(cmd, "ako-server2", out_dir, sig=signal.SIGSTOP, limit=60, ready=ready)
+    assert code == 1 and err.count("\n") == 1, err
+    assert err.startswith("ako: server rank 2 failed: stopped (SIGSTOP or a debugger); the others timed out waiting for it"), err
+    assert "dropped" not in err, err
+
+
 def test_torchrun_restart_resumes_from_the_last_checkpoint(tmp_path):
     """Under `torchrun --max-restarts 1`, a killed worker makes the agent restart the group,
     and the new attempt resumes in the same run directory from its last complete checkpoint,

@@ -94,11 +94,11 @@ def test_allreduce_schedule_with_a_straggler(tmp_path):
 def test_ako_two_partitions_lock_step_schedule(tmp_path):
     """p = 2, s = 0: each step computes c, sends partition t mod 2 (s_t bytes) to the peer
     and waits for the peer's, s_t / B + latency later; then both flush the whole accumulator
-    (G / B + latency)."""
+    (G / B + latency) and tell each other whether they lost a peer (1 byte / B + latency)."""
     result = simulate(tmp_path, strategy="ako", partitions=2, staleness=0, **COSTS)
     replica = make_replica(build_model("cnn", (1, 8, 8), 10), TrainConfig())
     sizes = [(hi - lo) * 4 for lo, hi in partition_bounds(NUMEL, 2, replica.boundaries)]
-    expected = sum(C + sizes[t % 2] / B + LAT for t in range(STEPS)) + G / B + LAT
+    expected = sum(C + sizes[t % 2] / B + LAT for t in range(STEPS)) + G / B + LAT + 1 / B + LAT
     assert virtual(result) == pytest.approx(expected, rel=1e-12)
 
 
@@ -589,3 +589,19 @@ def test_sigterm_stops_a_simulation_as_ctrl_c_does(tmp_path):
     assert proc.returncode == 130 and err == f"ako: interrupted; what the run logged is in {run_dir}\n", (proc.returncode, err)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(records) >= 2 and not (run_dir / "summary.json").exists()
+
+
+@pytest.mark.parametrize("factor, cut", [(1.5, False), (3.0, True)])
+def test_absp_cuts_only_a_worker_late_by_more_than_a_quarter_of_its_step(tmp_path, factor, cut):
+    """Timing noise is no straggler: worker 1 at factor 1.5 is a third of a step behind when
+    worker 0 hands in, with a quarter of its assignment (one micro-batch of four) left: it
+    finishes it, and absp is bsp (to float rounding: absp sums micro-batches' gradients). At
+    factor 3 two of four are left: it is cut."""
+    common = dict(straggler=(f"rank=1,factor={factor}",), momentum=0.0, weight_decay=0.0, micro_batch=4, **COSTS)
+    absp = simulate(tmp_path / "absp", strategy="absp", **common)
+    slow = absp.summary["per_worker"][1]
+    assert (slow["handed_in"] < 1) == cut, slow
+    if not cut:
+        bsp = simulate(tmp_path / "bsp", strategy="bsp", **common)
+        for a, b in zip(absp.workers, bsp.workers, strict=True):
+            torch.testing.assert_close(a.params, b.params, rtol=0, atol=1e-5)

@@ -255,6 +255,26 @@ def test_a_cell_with_bad_input_stops_the_sweep(tmp_path, capsys):
     assert main(["sweep", str(file), "--out", str(tmp_path / "s"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("ako: error: cell arm=allreduce,workers=2: ") and "nothing" in err, err
+    assert not (tmp_path / "s").exists()  # made for this sweep, removed again: nothing left behind
+
+
+@pytest.mark.parametrize("runtime", ["train", "simulate"])
+@pytest.mark.parametrize("setting, name, why", [
+    ("model", "own_training:broken_net", "model 'own_training:broken_net' raised RuntimeError: no weights here"),
+    ("loss_fn", "own_training:loss_that_raises", "ValueError: labels and logits disagree"),
+])  # fmt: skip
+def test_a_cell_whose_factory_raises_when_called_is_one_line_before_anything_is_written(tmp_path, capsys, runtime,
+                                                                                        setting, name, why):  # fmt: skip
+    file, out = tmp_path / "t.toml", tmp_path / "sweeps" / "t"
+    text = TINY.replace('runtime = "simulate"', f'runtime = "{runtime}"').replace('model = "mlp"', f'{setting} = "{name}"')
+    if runtime == "train":  # the simulator's own settings
+        text = text.replace("seconds_per_sample = 0.001\n", "").replace('bandwidth = "100Mbit"\n', "")
+    file.write_text(text)
+    assert main(["sweep", str(file), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"ako: error: sweep file {str(file)!r}: cell arm=allreduce,workers=2: "), err
+    assert why in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.toml"]
 
 
 def test_sweep_file_documentation_example_parses(tmp_path):

@@ -23,9 +23,10 @@ from torch import nn
 from ako.config import CUSTOM, FIELDS, ConfigError, TrainConfig, load_toml, run_config, validate
 from ako.optim import OptimizerFn, SchedulerFn
 from ako.replica import EvalFn, LossFn
+from ako.run import lock
 from ako.run.job import Job
 from ako.run.outcome import MODEL_FILE, WorkerResult
-from ako.run.preflight import check_out_dir
+from ako.run.preflight import check_free_space, check_out_dir
 from ako.runtime.distributed import checkpoint
 from ako.runtime.distributed.launcher import launch, under_elastic_agent
 from ako.runtime.distributed.process import run_rank, workers_of
@@ -100,9 +101,11 @@ def train(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set: Da
         return RunResult(result.summary, [result])
     _check_picklable(job)
     if job.config.resume is not None:
+        lock.check_free(job.config.resume)
         checkpoint.check_unfinished(job.config)
-        point = checkpoint.find(job.config.resume, job.identity(replica.numel), job.config.workers, buffers=replica.buffer_layout())
+        point = checkpoint.find(job.config.resume, job.identity(replica.numel, data.name), job.config.workers, buffers=replica.buffer_layout())
         checkpoint.check_ahead(job.config, point, len(data.train))
+    check_free_space(job.config.resume or job.config.out_dir, replica)
     check_out_dir(job.config.out_dir)  # last: bad input makes no folder
     results = launch(job, job.config.workers + (job.config.servers or 0))
     workers = [results[r] for r in sorted(results) if r < job.config.workers]
@@ -205,6 +208,7 @@ def simulate(config: TrainConfig, *, model_fn: ModelFn | None = None, train_set:
         sps = float(profile["seconds_per_sample"]) if sps is None else sps
         shared = tuple(float(t) for t in profile.get("shared_seconds_per_sample", ()))
         ready = tuple(float(f) for f in profile.get("gradient_ready", ()))
+    check_free_space(config.out_dir, replica)
     check_out_dir(config.out_dir)  # after the profile's checks: bad input makes no folder
     if sps is None:
         sps = measure_seconds_per_sample(job, data, torch.device("cpu"))

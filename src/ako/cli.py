@@ -258,7 +258,7 @@ def cmd_train(config: TrainConfig) -> int:
     from ako.runtime.distributed.mailbox import Dropped
 
     try:
-        train(config, keep_saved=False)  # the flags are merged with the saved settings already
+        result = train(config, keep_saved=False)  # the flags are merged with the saved settings already
     except (ConfigError, DataError):
         raise
     except WorkerFailed as e:
@@ -271,7 +271,17 @@ def cmd_train(config: TrainConfig) -> int:
         # Dropped: the others carry on without this worker, and torchrun would stop them all
         # at a failure; so its part of the job ends without one.
         return 0 if isinstance(e, Dropped) else EXIT_FAILED
-    return 0
+    return _not_saved(result.summary)
+
+
+def _not_saved(summary: dict | None) -> int:
+    """0, or 1 with one line when the run finished but could not write all its files (a full
+    disk: `outcome.publish` recorded them in the summary's `not_saved`)."""
+    missing = (summary or {}).get("not_saved")
+    if not missing:
+        return 0
+    print(f"ako: the run finished, but {'; '.join(missing)}", file=sys.stderr)
+    return EXIT_FAILED
 
 
 def cmd_simulate(config: TrainConfig) -> int:
@@ -279,11 +289,11 @@ def cmd_simulate(config: TrainConfig) -> int:
     from ako.api import simulate
 
     try:
-        simulate(config)
+        result = simulate(config)
     except RuntimeError as e:
         print(f"ako: {e}", file=sys.stderr)
         return EXIT_FAILED
-    return 0
+    return _not_saved(result.summary)
 
 
 def cmd_sweep(file: str, out: str | None, jobs: int, progress: bool | None) -> int:

@@ -227,6 +227,9 @@ def parse_latency(text: str) -> float:
 def run_config(run_dir, what: str = "resume") -> str:
     """The path of run directory `run_dir`'s config.toml. Raises ConfigError, naming the
     setting `what`, when there is no such directory or it holds no config.toml."""
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ConfigError(f"{what} {str(run_dir)!r}: a file, not a run directory (give the folder a run made, "
+                          "which holds its config.toml and checkpoints)")  # fmt: skip
     if not os.path.isdir(run_dir):
         raise ConfigError(f"{what} {str(run_dir)!r}: no such directory")
     path = os.path.join(run_dir, "config.toml")

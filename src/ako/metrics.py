@@ -18,17 +18,43 @@ from pathlib import Path
 ACCURACY_MILESTONES = (0.80, 0.85, 0.88, 0.90)
 
 
-def write_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same directory and a rename, so a
-    reader never sees a half-written file."""
+class WriteFailed(OSError):
+    """A file of the run that could not be written (a full disk, a read-only file system): its
+    message is one line naming the file and the system's reason ("No space left on device")."""
+
+    def __str__(self) -> str:
+        return f"cannot write {self.filename}: {self.strerror}"
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write `data` (text, UTF-8; or bytes) to `path` through a temporary file in the same
+    directory and a rename, so a reader never sees a half-written file. The temporary file is
+    removed on any error. Raises WriteFailed (an OSError naming `path`) when it cannot be
+    written."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(text)
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)  # a full disk is kept full by what was written of it
+        if isinstance(e, OSError) and not isinstance(e, WriteFailed):
+            raise WriteFailed(e.errno, e.strerror or str(e), str(path)) from None
         raise
+
+
+def save_torch(obj, path: str | os.PathLike) -> None:
+    """`torch.save(obj)` to `path`, atomically as `write_atomic` (which raises WriteFailed).
+    It is serialised in memory first: torch's own writer meets a full disk as "unexpected pos",
+    without the file or the reason."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    write_atomic(path, buffer.getbuffer())
 
 
 def create_run_dir(out_dir: str | os.PathLike, strategy: str) -> Path:
@@ -63,6 +89,7 @@ class MetricsLog:
     def __init__(self, path: Path, board=None):
         self.path, self.board = path, board
         self.records: list[dict] = []
+        self.unwritten: str | None = None  # why the last records are not in the file yet
 
     def resume(self, until: float) -> None:
         """A resumed run: keep the records up to `until` training seconds (the checkpoint's),
@@ -75,17 +102,47 @@ class MetricsLog:
         write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
 
     def append(self, record: dict) -> None:
-        """Log one evaluation record (NaN and infinities become null)."""
+        """Log one evaluation record (NaN and infinities become null). A line that cannot be
+        written (a full disk) is cut off again, and from then on the records are only kept
+        (`unwritten` says why, in one line printed once) until `write_pending`."""
         record = finite(record)
         self.records.append(record)
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        if self.unwritten is None:
+            try:
+                _append_line(self.path, json.dumps(record) + "\n")
+            except OSError as e:
+                self.unwritten = str(WriteFailed(e.errno, e.strerror or str(e), str(self.path)))
+                print(f"ako: {self.unwritten}; its records are kept in memory and written at the end", file=sys.stderr, flush=True)
         if self.board is not None:
             self.board.add(record)
+
+    def write_pending(self) -> None:
+        """Write the whole log again (atomically) if some records could not be appended.
+        Raises WriteFailed when it still cannot be written."""
+        if self.unwritten is not None:
+            write_atomic(self.path, "".join(json.dumps(r) + "\n" for r in self.records))
+            self.unwritten = None
 
     def close(self) -> None:
         if self.board is not None:
             self.board.close()
+
+
+def _append_line(path: Path, line: str) -> None:
+    """Append `line` to `path` whole or not at all: a write cut short (a full disk) is
+    truncated away, so that the file holds only whole lines. Raises OSError."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        data = memoryview(line.encode())
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+        except OSError:
+            os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)
 
 
 def time_to_accuracy(records: list[dict], target: float, key: str = "test_accuracy") -> float | None:
@@ -187,7 +244,10 @@ def format_summary(s: dict) -> str:
         m = s["saved_model"]
         tested = sorted(((k[5:], v) for k, v in m.items() if k.startswith("test_")), key=_accuracy_first)
         figures = ", ".join(f"{name} {figure(v)}" for name, v in tested)
-        lines.append(f"  saved model      {m['file']}: {m['source']} ({figures})")
+        where = m["file"] or "not saved"
+        lines.append(f"  saved model      {where}: {m['source']} ({figures})")
+    for line in s.get("not_saved", []):  # a full disk: what the run directory lacks
+        lines.append(f"  not saved        {line}")
     if s.get("run_dir"):
         lines.append(f"  run directory    {s['run_dir']}")
     return "\n".join(lines)

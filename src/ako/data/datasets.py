@@ -96,7 +96,8 @@ def find_data_dir(name: str, data_dir: str | os.PathLike | None = None) -> Path 
 
     With ``data_dir`` only that directory (and its subfolder ``<data_dir>/<name>``) is
     searched. Without it, ``$AKO_DATA_DIR`` (and ``$AKO_DATA_DIR/<name>``) then
-    ``DEFAULT_DIRS[name]`` are searched in that order. Each of the files
+    ``DEFAULT_DIRS[name]`` are searched in that order; a ``$AKO_DATA_DIR`` that is not a
+    directory is a DataError. Each of the files
     train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte and
     t10k-labels-idx1-ubyte may be plain or end in ``.gz``.
 
@@ -104,7 +105,7 @@ def find_data_dir(name: str, data_dir: str | os.PathLike | None = None) -> Path 
         The first directory that has all four files, or None.
 
     Raises:
-        DataError: ``name`` is not an IDX data set.
+        DataError: ``name`` is not an IDX data set; ``$AKO_DATA_DIR`` is set to no directory.
     """
     for candidate in _candidates(name, data_dir):
         if _idx_paths(candidate) is not None:
@@ -183,6 +184,9 @@ def _candidates(name: str, data_dir: str | os.PathLike | None) -> list[Path]:
         roots = [Path(data_dir)]
     else:
         env = os.environ.get(ENV_VAR)
+        if env and not os.path.isdir(env):  # a setting that points nowhere is a mistake, not a hint to pass over
+            raise DataError(f"${ENV_VAR} {env[:200]!r}: no such directory; set it to the folder of the IDX files "
+                            f"(or their <name> subfolders), or unset it to search {DEFAULT_DIRS[name]}")  # fmt: skip
         roots = ([Path(env)] if env else []) + [Path(DEFAULT_DIRS[name])]
     return [path for root in roots for path in (root, root / name)]
 

@@ -115,8 +115,9 @@ def load_sweep(path: str | os.PathLike) -> Sweep:
         raise ConfigError(f"sweep file {str(path)!r}: sets no cells; give [base] settings, [grid] axes or [[arm]]s (docs/experiments.md)")
     try:
         sweep = _parse(data, text, default_name=re.sub(r"[^\w.+=,-]", "_", path.stem).lstrip(".") or "sweep")
+        tried: set[tuple] = set()
         for cell in sweep.cells():
-            _check_cell(cell)
+            _check_cell(cell, tried)
     except ConfigError as e:
         raise ConfigError(f"sweep file {str(path)!r}: {e}") from None
     return sweep
@@ -258,13 +259,25 @@ def _arms(value, base: dict) -> dict[str, dict]:
     return arms
 
 
-def _check_cell(cell: Cell) -> None:
+def _check_cell(cell: Cell, tried: set[tuple]) -> None:
+    """Raise ConfigError for a cell whose settings are bad, or whose user's functions (model,
+    data set, loss... by `module:factory` name) cannot be imported, or raise when called: the
+    job's checks (`Job.check`: the data loaded, the model built, a training step and an
+    evaluation tried) run once for each combination of those names (`tried`), before the
+    sweep writes anything."""
+    from ako.data import DataError
+    from ako.run.job import Job
+
     try:
         config = validate(TrainConfig(**cell.settings), simulated=cell.runtime == "simulate")
-        for name in ("model", "dataset", *USER_FUNCTIONS):  # the user's own, by name: importable?
-            if is_spec(getattr(config, name)):
-                import_factory(name, getattr(config, name))
-    except ConfigError as e:
+        names = tuple(getattr(config, name) for name in ("model", "dataset", *USER_FUNCTIONS))
+        for name, value in zip(("model", "dataset", *USER_FUNCTIONS), names):  # the user's own, by name: importable?
+            if is_spec(value):
+                import_factory(name, value)
+        if any(map(is_spec, names)) and (names, config.data_dir) not in tried:
+            tried.add((names, config.data_dir))
+            Job(config).check(out_dir=False)  # the factories called: one that raises fails here, not in the sweep
+    except (ConfigError, DataError) as e:
         raise ConfigError(f"cell {cell.name}: {e}") from None
     except TypeError as e:  # a value TrainConfig cannot even hold
         raise ConfigError(f"cell {cell.name}: {e}") from None

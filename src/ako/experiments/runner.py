@@ -64,9 +64,11 @@ class SweepFailed(Exception):
 def run_sweep(sweep: Sweep, out: Path, jobs: int = 1, progress: bool | None = None) -> list[tuple[Cell, str]]:
     """Run the cells of `sweep` not yet finished under `out`, `jobs` at a time, showing overall
     progress. Returns the failed cells with the last line of their log (the others finished).
-    Raises SweepFailed when a cell reports bad input or another sweep holds `out`;
-    KeyboardInterrupt stops the running cells.
+    Raises SweepFailed when a cell reports bad input (a sweep directory made by this call is
+    removed again: nothing is left behind) or another sweep holds `out`; KeyboardInterrupt
+    stops the running cells.
     """
+    fresh = [p for p in (out, *out.parents) if not os.path.exists(p)]  # what this sweep makes, deepest first
     try:
         out.mkdir(parents=True, exist_ok=True)
         lock = open(out / ".lock", "w")  # noqa: SIM115 -- held until this function returns
@@ -77,6 +79,23 @@ def run_sweep(sweep: Sweep, out: Path, jobs: int = 1, progress: bool | None = No
         raise SweepFailed(f"sweep directory {str(out)!r}: another ako sweep is running in it") from None
     except OSError as e:
         raise SweepFailed(f"sweep directory {str(out)!r}: cannot write there ({e.strerror or e})") from None
+    try:
+        return _run_cells(sweep, out, jobs, progress)
+    except SweepFailed:  # bad input a cell found: a sweep directory made for it is removed again
+        if fresh:
+            shutil.rmtree(out, ignore_errors=True)
+            for parent in fresh[1:]:
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
+        raise
+    finally:
+        lock.close()
+
+
+def _run_cells(sweep: Sweep, out: Path, jobs: int, progress: bool | None) -> list[tuple[Cell, str]]:
+    """`run_sweep`'s part once `out` is locked: run the cells not yet finished."""
     cells = sweep.cells()
     todo = [c for c in cells if finished_run(out / "cells" / c.name, c) is None]
     bar = _progress(len(cells), len(cells) - len(todo), progress)

@@ -6,6 +6,7 @@ top-level function) and the data sets picklable. Both runtimes build replicas an
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -16,7 +17,7 @@ from torch.utils.data import default_collate
 
 from ako.config import CUSTOM, USER_FUNCTIONS, ConfigError, TrainConfig
 from ako.data import DataError, load_dataset
-from ako.data.text import Vocabulary
+from ako.data.text import TEXT_PREFIX, Vocabulary
 from ako.models import build_model, model_options
 from ako.optim import Optimization, OptimizerFn, SchedulerFn, warmup_steps
 from ako.replica import EvalFn, LossFn, Replica, language_model_metrics
@@ -38,6 +39,7 @@ class Data:
     notice: str | None = None
     collate_fn: Callable | None = None
     standardisation: tuple[float, float] | None = None  # a built-in set's (mean, std) in pixel units
+    source: str | None = None  # a built-in set's: the folder of its files, or "scikit-learn bundled digits"
     vocabulary: Vocabulary | None = None  # a text data set's: its samples are (context,) token ids
 
     @property
@@ -120,14 +122,20 @@ class Job:
             return Data(train, test, shape, classes, name, collate_fn=self.collate_fn)
         split = load_dataset(c.dataset, c.data_dir, c.train_samples, c.test_samples, c.context)
         return Data(split.train, split.test, split.input_shape, split.num_classes, split.name, split.notice,
-                    self.collate_fn, split.standardisation, split.vocabulary)  # fmt: skip
+                    self.collate_fn, split.standardisation, split.source, split.vocabulary)  # fmt: skip
 
     def resolved(self, data: Data) -> Job:
-        """This job as it really runs: with the data set `auto` chose, the model by its
+        """This job as it really runs: with the data set `auto` chose (and the folder its
+        files came from, as data_dir), the model by its
         `module:factory` name where it has one (else "custom"), and the user's functions by
         theirs, so that config.toml names them for a resume."""
         names = {name: self.name_of(name) for name in USER_FUNCTIONS}
-        return replace(self, config=replace(self.config, dataset=data.name, model=self.model_name, **names))
+        dataset = data.name
+        if data.vocabulary is not None:  # text names its own file or folder: absolute, for a resume from elsewhere
+            dataset = f"{TEXT_PREFIX}{os.path.abspath(data.source)}" if data.name.startswith(TEXT_PREFIX) else data.name
+        elif data.source is not None and os.path.isdir(data.source):  # where the IDX files were found: config.toml says
+            names["data_dir"] = os.path.abspath(data.source)
+        return replace(self, config=replace(self.config, dataset=dataset, model=self.model_name, **names))
 
     @property
     def model_name(self) -> str:
@@ -192,12 +200,14 @@ class Job:
         ConfigError or DataError with a one-line message."""
         return preflight.check(self, processes, out_dir)
 
-    def identity(self, numel: int) -> dict:
-        """What a checkpoint must agree with for this job to resume from it."""
+    def identity(self, numel: int, dataset: str) -> dict:
+        """What a checkpoint must agree with for this job to resume from it: `dataset` is the
+        data's name (`Data.name`; a user's data set in memory is "custom"), before `numel`, the
+        parameter count, so that a resume onto other data names the data."""
         c = self.config
         world = c.workers + (c.servers or 0)
         return {"strategy": self.strategy.name, "model": self.model_name, "optimizer_name": self.optimizer_name,
-                "numel": numel, "world": world}  # fmt: skip
+                "dataset": dataset, "numel": numel, "world": world}  # fmt: skip
 
     def validate(self, data: Data, numel: int) -> None:
         """The settings that depend on the data and the model: the strategy's options against

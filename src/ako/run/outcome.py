@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -14,7 +15,8 @@ import torch
 
 from ako.config import to_toml
 from ako.data.text import VOCABULARY_FILE
-from ako.metrics import MetricsLog, build_summary, create_run_dir, format_summary, objective, write_atomic, write_summary
+from ako.metrics import (MetricsLog, WriteFailed, build_summary, create_run_dir, format_summary, objective, save_torch,
+                         write_atomic, write_summary)
 from ako.run.consensus import consensus_distance
 from ako.run.evaluation import prefixed
 from ako.run.job import Job
@@ -68,11 +70,17 @@ def rank_report(rank: int, state: WorkerState | None, facts: dict, sent: int, re
 
 def open_run_dir(config, strategy: str, data) -> Path:
     """A new run directory under `config.out_dir` with the run's config.toml (and a text data
-    set's vocabulary.json); prints the data set's notice (a fallback it took), if any."""
+    set's vocabulary.json); prints the data
+    set's notice (a fallback it took), if any. Raises WriteFailed (the directory removed again)
+    when config.toml cannot be written."""
     run_dir = create_run_dir(config.out_dir, strategy)
-    write_atomic(run_dir / "config.toml", to_toml(config))
-    if data.vocabulary is not None:  # what decodes the model's tokens (`ako generate`)
-        data.vocabulary.save(run_dir / VOCABULARY_FILE)
+    try:
+        write_atomic(run_dir / "config.toml", to_toml(config))
+        if data.vocabulary is not None:  # what decodes the model's tokens (`ako generate`)
+            data.vocabulary.save(run_dir / VOCABULARY_FILE)
+    except WriteFailed:
+        shutil.rmtree(run_dir, ignore_errors=True)  # a full disk at the start: no half-made run directory left behind
+        raise
     if data.notice:
         print(f"ako: {data.notice}", file=sys.stderr)
     return run_dir
@@ -109,7 +117,8 @@ def final_summary(
     its `unflushed` rank 0's replica before a final flush (Ako), each (numel,) when present. `lost`:
 the lost ranks (`Mailbox.losses`). `resumed`: the step of the checkpoint the run resumed from, if any; `restarted`: the
 workers lost before it, which began again as copies of rank 0's part.
-    Writes model.pt (`save_model`); returns the summary and that model, flat (numel,)."""
+    Returns the summary, that model, flat (numel,), and its state_dict for model.pt
+    (`model_state`; `publish` writes it)."""
     state.evaluations_ahead(bool(finals) + (facts.get("centre") is not None) + (facts.get("unflushed") is not None))
     end = {}
     if finals:
@@ -130,7 +139,7 @@ workers lost before it, which began again as copies of rank 0's part.
         summary["final_model"] = final_model(state, facts["unflushed"], final)
     state.close_bar()
     source, model, measured = handed_back(summary, facts, state, finals, reports, final, end)
-    summary["saved_model"] = save_model(run_dir, state.replica, model, source, data, measured)
+    summary["saved_model"], model_dict = model_state(state.replica, model, source, data, measured)
     state.evaluator.log.close()
     summary.update(data_use(job, data))
     summary["lost_ranks"] = [loss["rank"] for loss in lost]
@@ -139,7 +148,7 @@ workers lost before it, which began again as copies of rank 0's part.
     summary["resumed_from_step"] = resumed
     summary["resumed_as_rank_0"] = list(restarted)
     summary["run_dir"] = str(run_dir)
-    return summary, model.detach().cpu().clone()
+    return summary, model.detach().cpu().clone(), model_dict
 
 
 def language_model_figures(summary: dict, data, config) -> dict:
@@ -159,10 +168,12 @@ def data_use(job: Job, data) -> dict:
     """How much of the training set an epoch uses: each worker takes whole steps of its shard
     of len(train) // workers samples, so up to workers x step_samples - 1 samples are left out
     of each epoch (other ones each epoch, as the shuffle changes), as DistributedSampler with
-    drop_last does."""
+    drop_last does; and where the data came from (`Data.source`: a folder, the bundled digits,
+    or None for the user's own data sets)."""
     c = job.config
     used = c.workers * job.steps_per_epoch(data) * c.step_samples
-    return {"train_samples": len(data.train), "samples_left_out_per_epoch": len(data.train) - used}
+    return {"train_samples": len(data.train), "samples_left_out_per_epoch": len(data.train) - used,
+            "data_source": getattr(data, "source", None)}  # where the data came from (None: the user's own)
 
 
 def _better(a, b, higher: bool) -> bool:
@@ -199,13 +210,13 @@ def handed_back(summary: dict, facts: dict, state: WorkerState, finals, reports,
     return "rank 0's replica", state.replica.params, fields(final, "test_")
 
 
-def save_model(run_dir: Path, replica, params: torch.Tensor, source: str, data, measured: dict | None = None) -> dict:
-    """Write `run_dir`/model.pt, a plain `state_dict` of the user's module with `params`
-    (numel,) as its parameters and rank 0's buffers (BatchNorm statistics: each replica keeps
-    its own, as DDP with broadcast_buffers=False; rank 0's are the ones evaluated), atomically.
-    Returns the summary's `saved_model`: the file, its source, its test metrics (`measured`,
-    test_<metric> fields, when the run has evaluated these parameters already; else evaluated
-    here), and what `ako.load_model` needs to rebuild a built-in model."""
+def model_state(replica, params: torch.Tensor, source: str, data, measured: dict | None = None) -> tuple[dict, dict]:
+    """The model.pt of a run: a plain `state_dict` of the user's module with `params` (numel,)
+    as its parameters and rank 0's buffers (BatchNorm statistics: each replica keeps its own,
+    as DDP with broadcast_buffers=False; rank 0's are the ones evaluated), and the summary's
+    `saved_model`: the file, its source, its test metrics (`measured`, test_<metric> fields,
+    when the run has evaluated these parameters already; else evaluated here), and what
+    `ako.load_model` needs to rebuild a built-in model. `publish` writes it."""
     own = replica.params.clone()
     replica.params.copy_(params)
     try:
@@ -213,22 +224,64 @@ def save_model(run_dir: Path, replica, params: torch.Tensor, source: str, data, 
         metrics = measured or prefixed("test", replica.evaluate(data.test))
     finally:
         replica.params.copy_(own)
-    path = run_dir / MODEL_FILE
-    tmp = path.with_name(f".{MODEL_FILE}.{os.getpid()}.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
     shape = None if data.input_shape is None else list(data.input_shape)
     saved = {"file": MODEL_FILE, "source": source, **metrics, "input_shape": shape,
              "num_classes": data.num_classes}  # fmt: skip
     if data.standardisation is not None:  # what a user must do to raw pixels to feed this model
         saved["pixel_mean"], saved["pixel_std"] = (round(v, 6) for v in data.standardisation)
-    return saved
+    return saved, state
 
 
-def publish(run_dir: Path, summary: dict, *more_lines: str) -> None:
-    """Write summary.json (atomically) and print the summary, then `more_lines`. Raises
-    RuntimeError, in one line, when stdout cannot be written (not when its reader left)."""
-    write_summary(run_dir, summary)
+RETRY_EVERY = 2.0  # seconds between tries to write model.pt on a full disk
+
+
+def save_model(run_dir: Path, state: dict, retry_for: float = 0.0) -> None:
+    """Write `run_dir`/model.pt (`state`, a state_dict) atomically; on a full disk (or any
+    write error) say so in one line and try again every RETRY_EVERY s for up to `retry_for`
+    seconds, the model kept in memory meanwhile, so that freeing space saves it. Raises
+    WriteFailed (naming the file and the reason) when it could not be written."""
+    path, deadline = run_dir / MODEL_FILE, time.monotonic() + retry_for
+    try:
+        save_torch(state, path)
+        return
+    except WriteFailed as e:
+        if retry_for <= 0:
+            raise
+        print(f"ako: {e}; the model is kept in memory and the write tried again every {min(RETRY_EVERY, retry_for):g} s for "
+              f"{retry_for:g} s: free space there to save it", file=sys.stderr, flush=True)  # fmt: skip
+    while True:
+        time.sleep(min(RETRY_EVERY, max(0.0, deadline - time.monotonic())))
+        try:
+            save_torch(state, path)
+            print(f"ako: {path} written", file=sys.stderr, flush=True)
+            return
+        except WriteFailed:
+            if time.monotonic() >= deadline:
+                raise
+
+
+def publish(run_dir: Path, summary: dict, *more_lines: str, model: dict | None = None, log: MetricsLog | None = None,
+            retry_for: float = 0.0) -> None:  # fmt: skip
+    """Write what the run has left to write, smallest first, then print the summary and
+    `more_lines`: summary.json, the metrics records not appended yet (`log`, on a full disk),
+    then model.pt (`model`, a state_dict; tried again for up to `retry_for` s, `save_model`).
+    What cannot be written (a full disk) is recorded in the summary's `not_saved` (and
+    `saved_model.file` becomes None), printed with it, and summary.json written again if it
+    can be. Raises RuntimeError, in one line, when stdout cannot be written (not when its
+    reader left)."""
+    not_saved = _try_write(lambda: write_summary(run_dir, summary))
+    if log is not None:
+        not_saved += _try_write(log.write_pending)
+    if model is not None:
+        failed = _try_write(lambda: save_model(run_dir, model, retry_for))
+        if failed:
+            summary["saved_model"]["file"] = None
+            kept = f"; the model was kept in memory and tried again for {retry_for:g} s" if retry_for > 0 else ""
+            not_saved += [f"{failed[0]}{kept}"]
+    if not_saved:
+        summary["not_saved"] = not_saved
+        if not any(str(run_dir / "summary.json") in line for line in not_saved):
+            _try_write(lambda: write_summary(run_dir, summary))  # now true: it says what is missing
     try:
         print("\n".join([format_summary(summary), *more_lines]), flush=True)
     except BrokenPipeError:  # stdout was closed (piped into head?): summary.json has it all
@@ -236,3 +289,12 @@ def publish(run_dir: Path, summary: dict, *more_lines: str) -> None:
     except OSError as e:  # a full disk, a read-only descriptor: the run is whole, say so in one line
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit would flush again
         raise RuntimeError(f"could not print the summary ({e.strerror or e}); {run_dir} holds it all") from None
+
+
+def _try_write(write) -> list[str]:
+    """Call `write`; returns [] or, when it raised WriteFailed, [its one line]."""
+    try:
+        write()
+        return []
+    except WriteFailed as e:
+        return [str(e)]

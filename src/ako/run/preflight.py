@@ -133,11 +133,38 @@ def _check_tensorboard() -> None:
 
 def check_out_dir(out_dir: str) -> None:
     """Make `out_dir` (the last check before a run starts); raise ConfigError if it cannot be
-    made or written to."""
+    made (the parents it made are removed again) or written to."""
     path = Path(out_dir)
+    missing = [p for p in (path, *path.parents) if not os.path.exists(p)]  # (an over-long name is not)  # what mkdir makes, deepest first
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
+        for made in (p for p in missing if os.path.isdir(p)):  # bad input leaves nothing behind
+            try:
+                made.rmdir()
+            except OSError:
+                break  # not empty (another process's?) or not ours to remove
         raise ConfigError(f"out_dir {out_dir!r}: cannot make it ({e.strerror})") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"out_dir {out_dir!r}: not writable")
+
+
+def check_free_space(where: str | os.PathLike, replica: Replica) -> None:
+    """Raise ConfigError when the file system that `where` (a run's out_dir or the run
+    directory it resumes; its nearest existing folder) is on has less room than model.pt
+    alone takes (the model's parameters and buffers, in bytes): plainly too small for the run's
+    files. A fuller check would guess at checkpoints and logs; this one never refuses a run
+    that could finish."""
+    path = Path(where).absolute()
+    while not os.path.exists(path) and path != path.parent:
+        path = path.parent
+    try:
+        stats = os.statvfs(path)
+    except (OSError, AttributeError):  # no statvfs (Windows), a folder it may not read: the writes will say
+        return
+    free = stats.f_bavail * stats.f_frsize
+    need = sum(t.nbytes for t in replica.model.state_dict().values())
+    if free < need:
+        raise ConfigError(f"out_dir {str(where)!r}: {free / 1e3:.0f} KB free on its file system ({path}), and model.pt alone "
+                          f"takes {need / 1e3:.0f} KB; free space there or give another --out-dir")  # fmt: skip
+

@@ -81,11 +81,13 @@ def compute_all_reduce(state, gradient: GradientFn) -> Generator:
 
 
 def compute_partial(
-    state, gradient: GradientFn, arrived: Callable[[int, int], bool], micro_batch: int, stop_tag: int, stop_step: int | None
+    state, gradient: GradientFn, arrived: Callable[[int, int], bool], micro_batch: int, stop_tag: int, stop_step: int | None,
+    late_share: float = 0.0,
 ) -> Generator:  # fmt: skip
     """`ops.ComputePartial`, A-BSP's interruptible computation (Wang et al. 2018, section 3):
     the assignment micro-batch by micro-batch, stopping before the next one once a message
-    `stop_tag` of a step >= `stop_step` has come (None: after the first). Returns a
+    `stop_tag` of a step >= `stop_step` has come (None: after the first), while more than
+    `late_share` of the assignment is left (less is timing noise, not a straggler). Returns a
     `PartialGradient` of the sum (numel,) of the per-sample gradients done; the samples not
     done wait for the next step."""
     state.before_step()
@@ -94,7 +96,8 @@ def compute_partial(
     grad_sum = torch.zeros_like(state.replica.grad)
     done, loss_sum = 0, 0.0
     for chunk in indices.split(micro_batch):
-        if done and (stop_step is None or arrived(stop_tag, stop_step)):
+        late = len(indices) - done > late_share * len(indices)
+        if done and late and (stop_step is None or arrived(stop_tag, stop_step)):
             break
         batch = fetch(state.cursor.train_set, chunk, state.cursor.collate_fn)
         loss_sum += (yield from gradient([batch], len(chunk), slow)) * len(chunk)

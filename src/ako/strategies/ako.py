@@ -67,7 +67,7 @@ from ako.strategies.micro_batch import check_micro_batch, default_micro_batch
 from ako.strategies.ops import (AllReduce, Compute, ComputePartial, MeasureBandwidth, MeasureStep, Message, PeerLost, Poll,
                                Recv, Send, Wait)  # fmt: skip
 from ako.strategies.partition import auto_partitions, partition_bounds
-from ako.strategies.tags import AKO_PROGRESS, AKO_WINDOW
+from ako.strategies.tags import AKO_LOSS, AKO_PROGRESS, AKO_REPLICA, AKO_WINDOW
 
 _EMPTY = torch.empty(0)  # the ring's progress messages carry nothing but their step
 FLUSH = -1  # `aux` of the flush message, which carries the whole accumulator; its `step` is the sender's step count
@@ -183,7 +183,46 @@ def _all_to_all(ctx, parts, s):
         yield from receive(ledger, ledger.laggard())
         ledger.settle(up_to=_FLUSH_STEP)
     assert not ledger.own and not ledger.pending, "Ako's ledger must be settled after the flush"
+    yield from average_replicas(ctx, ledger.dead)
     return t, unflushed
+
+
+def average_replicas(ctx, dead: set[int]):
+    """Make the surviving replicas the same after a loss. Without one the flush has made them
+    equal (to float rounding); after one, a lost worker's last windows may have reached some
+    survivors and not others (in flight when it died), and the replicas differ by those
+    windows / n. Each worker tells every peer not known `dead` whether it lost a peer before
+    that peer's flush came (one byte; a peer in no one's `dead` had its flush, which follows
+    all its windows, reach every survivor). When any did, each sends its replica to the peers
+    whose answer came and takes the mean of those that come, summed in rank order: every
+    survivor computes the same bits, settling the lost worker's windows the same way on each.
+    A peer lost meanwhile is left out."""
+    flag = torch.tensor([int(bool(dead))], dtype=torch.uint8)
+    flags = yield from _exchange(ctx, [peer for peer in ctx.peers if peer not in dead], flag, AKO_LOSS)
+    if not (dead or any(f.item() for f in flags.values())):
+        return
+    mine = ctx.replica.params.detach().to("cpu", copy=True)
+    replicas = {ctx.rank: mine, **(yield from _exchange(ctx, sorted(flags), mine, AKO_REPLICA))}
+    total = torch.zeros_like(mine)
+    for rank in sorted(replicas):
+        total.add_(replicas[rank])
+    ctx.replica.params.copy_(total.div_(len(replicas)))
+
+
+def _exchange(ctx, peers: list[int], tensor: torch.Tensor, tag: int):
+    """Send `tensor` to each of `peers` and receive theirs (tag `tag`): {rank: tensor} of
+    those that came (a peer lost meanwhile is left out)."""
+    for peer in peers:
+        yield Send(tensor, peer, tag)
+    got = {}
+    for peer in peers:
+        while peer not in got:
+            try:
+                got[peer] = (yield Recv(tag, peer)).tensor
+            except PeerLost as lost:
+                if lost.rank == peer:
+                    break  # lost meanwhile (another peer's loss, reported here, changes nothing)
+    return got
 
 
 def receive(ledger: Ledger, peer: int):

@@ -77,11 +77,13 @@ class ComputePartial:
     in the inbox, to be received as usual); `stop_step` None: after the first micro-batch (the
     program knows already). At least one micro-batch is always processed. Result:
     `PartialGradient`; the samples not processed go first next time, by this operation or by
-    `Compute`."""
+    `Compute`. `late_share`: a stop cuts the assignment only while more than this share of it
+    is left (A-BSP: a worker counts as late only beyond that margin, not for timing noise)."""
 
     micro_batch: int
     stop_tag: int
     stop_step: int | None
+    late_share: float = 0.0
 
 
 @dataclass(frozen=True)

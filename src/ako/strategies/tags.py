@@ -4,6 +4,8 @@ traffic; the runtimes' own messages (stop, reports, snapshots, checkpoints) have
 # strategies: one strategy runs at a time, but distinct tags keep a trace unambiguous
 AKO_WINDOW = 0  # Ako: a partition's window of one step, and the final flush (aux = ako.FLUSH)
 AKO_PROGRESS = 3  # Ako's ring: "I have started the all-reduce of this step" (empty), to the previous rank
+AKO_REPLICA = 4  # Ako's all-to-all: a worker's replica after the flush, averaged by every survivor (after a loss)
+AKO_LOSS = 5  # Ako's all-to-all, after the flush: "I lost a peer before its flush came" (one byte, 0 or 1)
 GOSSIP_PUSH = 1  # gossip push-sum: half of a worker's weighted parameters
 GOSSIP_DONE = 2  # gossip: the end-of-training handshake
 PS_PUSH = 10  # parameter servers: a worker's gradient (or update) shard

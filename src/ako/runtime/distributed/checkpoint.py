@@ -44,11 +44,13 @@ import torch
 
 from ako.checks import misfit
 from ako.config import ConfigError
+from ako.metrics import WriteFailed, save_torch
 from ako.replica import buffers_misfit
 from ako.strategies.tags import CHECKPOINT
 
 FORMAT = 1
 _KEEP = 2
+_SINCE_LATER = ("dataset",)  # identity fields that files written before 2026-12-05 lack
 
 
 class CheckpointError(ConfigError):
@@ -75,17 +77,22 @@ def _marker(run_dir: str | os.PathLike, point: int, rank: int) -> Path:
 def save(run_dir: str | os.PathLike, point: int, rank: int, world: int, state: dict, lost=()) -> None:
     """Write rank `rank`'s `state` for step `point` atomically (rank 0 first marks the
     `lost` ranks). Of its older files it keeps the last `_KEEP` and its part of the latest
-    complete checkpoint (of `world` ranks)."""
+    complete checkpoint (of `world` ranks). Raises WriteFailed (naming the file and the reason,
+    no temporary file left) when it cannot be written: older checkpoints are left as they are."""
     target = path(run_dir, point, rank)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    for r in lost:
-        _marker(run_dir, point, r).touch()
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        torch.save({"format": FORMAT, "point": point, "rank": rank, **state}, tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        for r in lost:
+            _marker(run_dir, point, r).touch()
+    except OSError as e:
+        raise WriteFailed(e.errno, e.strerror or str(e), str(target.parent)) from None
+    try:
+        save_torch({"format": FORMAT, "point": point, "rank": rank, **state}, target)
+    except WriteFailed:
+        try:
+            target.parent.rmdir()  # no empty folder per skipped checkpoint (other ranks' files keep it)
+        except OSError:
+            pass
         raise
     complete = latest(run_dir, world)
     mine = sorted(directory(run_dir).glob(f"*/rank{rank}.pt"))
@@ -236,6 +243,8 @@ def check(state: dict, expected: dict, file: str, contents: bool = False, buffer
     if contents and role not in _LAYOUT:
         raise DamagedCheckpoint(f"checkpoint {file!r}: damaged, its role is {role!r:.40}, not 'worker' or 'server'")
     for key, want in expected.items():
+        if key in _SINCE_LATER and key not in state:  # a file of an older ako: it does not say
+            continue
         if state.get(key) != want:
             raise CheckpointError(
                 f"checkpoint {file!r}: written by a run with {key} {state.get(key)!r:.60}, not {want!r}; "
@@ -304,7 +313,8 @@ def find(run_dir: str | os.PathLike, expected: dict, workers: int, say: bool = F
     stderr says so). Raises CheckpointError: no intact complete checkpoint (the newest
     damage is named), or one written by another run."""
     if not os.path.isdir(run_dir):
-        raise CheckpointError(f"resume {str(run_dir)!r}: no such directory")
+        what = "a file, not a run directory" if os.path.exists(run_dir) else "no such directory"
+        raise CheckpointError(f"resume {str(run_dir)!r}: {what}")
     damaged: list[tuple[int, str]] = []
     for point in _points(run_dir):
         if not path(run_dir, point, 0).is_file():
@@ -340,10 +350,13 @@ class Checkpoints:
     (`save`, from `WorkerState`), a server at its first update at or after that version
     (`on_update`). `runtime` is this rank's `DistributedRuntime` (its mailbox, worker state and
     byte counts); `every` the seconds of training between checkpoints; `identity` what every
-    checkpoint of this run must agree with (`Job.identity`)."""
+    checkpoint of this run must agree with (`Job.identity`). A checkpoint a rank cannot write
+    (a full disk) is skipped with one line (`store`, the job's, counts the ranks' reports) and
+    training goes on; the older complete one stays."""
 
-    def __init__(self, runtime, run_dir: Path, every: float, identity: dict, lockstep: bool = False):
+    def __init__(self, runtime, run_dir: Path, every: float, identity: dict, lockstep: bool = False, store=None):
         self.runtime, self.run_dir, self.every, self.identity = runtime, run_dir, every, identity
+        self.store = store  # the job's torch.distributed Store: one line for a skipped checkpoint
         self.lockstep = lockstep  # `Strategy.lockstep`: save only at the very step called for
         self.due: int | None = None  # a server's: the step rank 0 called for
 
@@ -384,7 +397,22 @@ class Checkpoints:
             own = {"role": "server", "shard": shard.state_dict()}
         saved = {**self.identity, **own, "bytes": list(self.runtime.bytes_moved())}
         lost = sorted(self.runtime.mailbox.lost) if self.runtime.rank == 0 else ()
-        save(self.run_dir, point, self.runtime.rank, self.runtime.world_size, saved, lost)
+        try:
+            save(self.run_dir, point, self.runtime.rank, self.runtime.world_size, saved, lost)
+        except WriteFailed as e:  # a full disk: training matters more than this checkpoint
+            self._skipped(point, e)
+
+    def _skipped(self, point: int, error: WriteFailed) -> None:
+        """Say, once per checkpoint whichever ranks failed to write it (counted in the job's
+        `store`), that it is skipped and which complete one stays."""
+        try:
+            first = self.store is None or self.store.add(f"ako/checkpoint-skipped/{point}", 1) == 1
+        except Exception:  # noqa: BLE001 - the store's errors: say it rather than not at all
+            first = True
+        if first:
+            kept = latest(self.run_dir, self.runtime.world_size)
+            stays = f"the one at step {kept} stays the latest complete" if kept is not None else "there is no complete one yet"
+            print(f"ako: checkpoint at step {point} skipped ({error}); training goes on, {stays}", file=sys.stderr, flush=True)
 
     def on_update(self, shard) -> None:
         """A server's shard was updated: save it if a checkpoint is due at its version."""

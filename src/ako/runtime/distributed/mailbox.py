@@ -214,8 +214,7 @@ class Mailbox:
     def _await_sign(self, peer: int, since: float, asked: float, drop_lost: bool) -> None:
         """Wait until `peer` is heard from after `since`, for at most `timeout` s from `asked`
         (when it was pinged; less the time this process was stopped since); after that it is
-        silent: dropped (with `drop_lost`, unless it is rank 0, which evaluates and reports)
-        or PeerLost."""
+        silent: dropped (with `drop_lost`, unless it is `vital`: rank 0 or a server) or PeerLost."""
         with self.cond:
             while self.heard[peer] < since and peer not in self.lost:
                 left = asked + self.timeout + self.stalls.since(asked) - time.monotonic()
@@ -225,7 +224,7 @@ class Mailbox:
         if self.heard[peer] >= since or peer in self.lost:
             return
         reason = f"took no message for {self.timeout:g} s"
-        if not drop_lost or peer == 0:
+        if not drop_lost or self.vital(peer):
             raise self._lost_error(peer, f"{reason} (stuck, or far too slow)")
         self.drop(peer, reason)
 
@@ -364,6 +363,12 @@ class Mailbox:
 
     def _role(self, rank: int) -> str:
         return "server" if self.workers is not None and rank >= self.workers else "worker"
+
+    def vital(self, rank: int) -> bool:
+        """Whether no strategy goes on without `rank`: rank 0 (it evaluates and reports) or a
+        server (it holds a shard of the model). Such a peer's silence fails this rank (one
+        line, from the launcher) rather than dropping the peer."""
+        return rank == 0 or self._role(rank) == "server"
 
     def peer_lost(self, rank: int, reason: str | None = None) -> PeerLost:
         """The PeerLost for `rank`, naming its role, for `reason` (default: why it is lost)."""

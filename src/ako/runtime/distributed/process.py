@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ako.config import ConfigError, to_toml
 from ako.metrics import write_atomic
+from ako.run import lock
 from ako.run.job import Job
 from ako.run.evaluation import snapshots_kept
 from ako.run.outcome import WorkerResult, final_summary, open_log, open_run_dir, publish
@@ -129,6 +130,7 @@ def run_rank(job: Job) -> WorkerResult:
     try:
         return _run_rank(job)
     finally:
+        lock.release_all()  # the run directory's, held by rank 0 (`_run_dir`)
         quiet.drain()  # the caller's stderr as it was (ako.train under torchrun runs in the user's process)
 
 
@@ -178,7 +180,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         runtime.broadcast(replica.params)  # identical replicas, whatever the model factory did
     except (RuntimeError, dist.DistError) as e:
         raise StartupFailed(f"the workers did not all get ready within {startup_timeout(config.timeout):g} s: {comm_error(e)}") from None
-    identity = job.identity(replica.numel)  # what checkpoints of this run must agree with
+    identity = job.identity(replica.numel, data.name)  # what checkpoints of this run must agree with
     with _starting(runtime.limit):
         run_dir, point = _run_dir(job, data, rank, store, runtime, identity, replica.buffer_layout())
     log = open_log(run_dir, config) if rank == 0 else None
@@ -189,7 +191,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         checkpoint.check(saved, identity, str(checkpoint.path(run_dir, point, rank)), contents=True)
     checkpoints = None
     if config.checkpoint_every is not None:
-        checkpoints = checkpoint.Checkpoints(runtime, run_dir, config.checkpoint_seconds, identity, strategy.lockstep)
+        checkpoints = checkpoint.Checkpoints(runtime, run_dir, config.checkpoint_seconds, identity, strategy.lockstep, store)
         runtime.checkpoints = checkpoints
     servers = list(range(n, world))
     if rank < n:
@@ -240,10 +242,11 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     if rank == 0:
         lost = runtime.mailbox.losses()
         finishing = time.perf_counter()
-        result.summary, result.model = final_summary(job, data, state, reports, finals, facts, lost, run_dir, point, restarted)
+        result.summary, result.model, model = final_summary(job, data, state, reports, finals, facts, lost, run_dir, point,
+                                                            restarted)  # fmt: skip
         s = result.summary  # evaluations during training (the clock's pauses) and after it
         s["evaluation_seconds"] = round(s["wall_seconds"] - s["train_seconds"] + time.perf_counter() - finishing, 3)
-        publish(run_dir, result.summary)
+        publish(run_dir, result.summary, model=model, log=state.evaluator.log, retry_for=config.timeout)
     return result, bool(runtime.mailbox.lost)
 
 
@@ -322,6 +325,7 @@ def _run_dir(job: Job, data, rank: int, store: dist.Store, runtime: DistributedR
             point = checkpoint.find(run_dir, identity, config.workers, True, buffers) if found else None
         else:
             run_dir, point = open_run_dir(config, job.strategy.name, data), None
+        lock.hold(run_dir)  # before anything is written into it: one writer per run directory
         if point is not None:  # checkpoints after `point` belong to the abandoned run: drop them
             checkpoint.drop_after(run_dir, point)
             keep_earlier_config(run_dir, to_toml(replace(config, resume=None)), point)

@@ -148,8 +148,9 @@ class DistributedRuntime:
                 return (yield from compute(self.state, self._gradient))
             case ops.ComputeAllReduce(bucket_bytes):
                 return (yield from compute_all_reduce(self.state, lambda batches, samples, slow: self._gradient(batches, samples, slow, bucket_bytes)))
-            case ops.ComputePartial(micro_batch, stop_tag, stop_step):
-                return (yield from compute_partial(self.state, self._gradient, self.mailbox.arrived, micro_batch, stop_tag, stop_step))
+            case ops.ComputePartial(micro_batch, stop_tag, stop_step, late_share):
+                return (yield from compute_partial(self.state, self._gradient, self.mailbox.arrived, micro_batch, stop_tag, stop_step,
+                                                   late_share))  # fmt: skip
             case ops.Send(tensor, dst, tag, step, aux):
                 if not (self.survives_loss and dst in self.mailbox.lost):
                     self.mailbox.send(tensor.cpu(), dst, tag, step, aux, drop_lost=self.survives_loss)
@@ -181,14 +182,14 @@ class DistributedRuntime:
 
     def receive(self, tag: int, src: int | None, awaiting=frozenset()):
         """`ops.Recv`. A strategy that survives losses carries on without a worker other than
-        rank 0 (which evaluates and reports) that stays silent for the timeout while it waits
+        rank 0 (which evaluates and reports; nor without a server) that stays silent for the timeout while it waits
         on it (stopped, stuck or far too slow): it is dropped (`Mailbox.drop`), and so is each
         of the awaited peers when all of them are silent."""
         try:
             return self.mailbox.get(tag, src, self.timeout, tolerant=self.survives_loss, awaiting=awaiting)
         except Silent as e:
-            if not (self.survives_loss and e.peers and 0 not in e.peers):
-                raise
+            if not (self.survives_loss and e.peers and not any(map(self.mailbox.vital, e.peers))):
+                raise  # rank 0 or a server: no strategy goes on without it, the launcher names it
             reason = f"silent for {self.timeout:g} s"
             for peer in e.peers:
                 self.mailbox.drop(peer, reason)

@@ -174,10 +174,10 @@ class SimulatedRuntime:
             case ops.ComputeAllReduce(bucket_bytes):
                 gradient = yield from compute_all_reduce(node.state, lambda batches, samples, slow: self._gradient_reduced(node, batches, samples, slow, bucket_bytes))
                 return self._stepped(gradient)
-            case ops.ComputePartial(micro_batch, stop_tag, stop_step):
+            case ops.ComputePartial(micro_batch, stop_tag, stop_step, late_share):
                 return self._stepped((yield from compute_partial(
                     node.state, lambda batches, samples, slow: self._gradient(node, batches, samples, slow),
-                    node.arrived, micro_batch, stop_tag, stop_step,
+                    node.arrived, micro_batch, stop_tag, stop_step, late_share,
                 )))  # fmt: skip
             case ops.Send(tensor, dst, tag, step, aux):
                 self.send(node.rank, dst, ops.Message(node.rank, tag, step, aux, tensor))

@@ -63,13 +63,14 @@ def simulate_job(job: Job, costs: Costs, data: Data | None = None) -> tuple[dict
         facts = runtime.nodes[0].facts
         finals = [r.params for r in replicas[:n]] if strategy.replicas_differ else []
         finishing = time.perf_counter()
-        summary, model = final_summary(job, data, runtime.nodes[0].state, reports, finals, facts, [], run_dir)
+        summary, model, model_dict = final_summary(job, data, runtime.nodes[0].state, reports, finals, facts, [], run_dir)
         finishing = time.perf_counter() - finishing  # the evaluations left for after training, mostly
     finally:
         runtime.gradients.close()
         torch.set_num_threads(threads)
     summary["simulation"] = _simulation_facts(runtime, costs, reports, end, time.perf_counter() - started, finishing)
-    publish(run_dir, summary, format_simulation(summary))
+    publish(run_dir, summary, format_simulation(summary), model=model_dict, log=runtime.nodes[0].state.evaluator.log,
+            retry_for=job.config.timeout)
     workers = [WorkerResult(r, replicas[r].params.clone(), runtime.nodes[r].facts) for r in range(n)]
     workers[0].summary, workers[0].model = summary, model
     return summary, workers
