@@ -238,9 +238,9 @@ def test_unknown_name():
     with pytest.raises(DataError) as info:
         load_dataset("foo")
     assert str(info.value) == (
-        "unknown data set 'foo': choose one of fashion-mnist, mnist, digits, auto"
+        "unknown data set 'foo': choose one of fashion-mnist, mnist, digits, auto, fortunes, or text:PATH"
     )
-    assert DATASETS == ("fashion-mnist", "mnist", "digits", "auto")
+    assert DATASETS == ("fashion-mnist", "mnist", "digits", "auto", "fortunes")
 
 
 def test_label_out_of_range(tmp_path, no_env_dir):

@@ -159,10 +159,11 @@ def _module_of(run_dir: str, model_fn: ModelFn | None) -> nn.Module:
     """The module a run directory's model.pt belongs to: `model_fn()`, else the run's model."""
     import json
 
-    from ako.models import build_model
+    from ako.models import build_model, model_options
     from ako.run.imports import import_factory, is_spec
 
-    name = load_toml(os.path.join(run_dir, "config.toml")).get("model", "cnn")
+    settings = load_toml(os.path.join(run_dir, "config.toml"))
+    name = settings.get("model", "cnn")
     if model_fn is not None:
         model = model_fn()
     elif is_spec(name):
@@ -172,7 +173,7 @@ def _module_of(run_dir: str, model_fn: ModelFn | None) -> nn.Module:
     else:
         with open(os.path.join(run_dir, "summary.json")) as f:
             saved = json.load(f)["saved_model"]
-        model = build_model(name, tuple(saved["input_shape"]), saved["num_classes"])
+        model = build_model(name, tuple(saved["input_shape"]), saved["num_classes"], **model_options(name, settings))
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model of {run_dir!r}: the factory returned {type(model).__name__}, not an nn.Module")
     return model

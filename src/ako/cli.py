@@ -1,4 +1,4 @@
-"""`ako train | simulate | sweep | report | calibrate | info`: parse, validate, call the API. Bad input: one line,
+"""`ako train | simulate | sweep | report | calibrate | generate | info`: parse, validate, call the API. Bad input: one line,
 exit status 2."""
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def _add_flags(command: argparse.ArgumentParser, flags: dict) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The `ako` argument parser; every train flag defaults to None so that a config file can fill it."""
     parser = _Parser(prog="ako", description="Data-parallel training without parameter-server bottlenecks.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,simulate,sweep,report,calibrate,info}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,simulate,sweep,report,calibrate,generate,info}")
     train = commands.add_parser("train", help="train a model on N workers", description="Train a model on N workers.")
     simulate = commands.add_parser(
         "simulate",
@@ -165,6 +165,16 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     report.add_argument("sweep_dir", metavar="SWEEP_DIR", type=_path, help="a directory written by ako sweep")
     report.add_argument("--out", metavar="DIR", type=_path, help="where to write report.md and the plots (default: SWEEP_DIR/report)")
+    generate = commands.add_parser(
+        "generate", help="print text sampled from a language model a run saved",
+        description="Sample text from a run's model.pt (a gpt trained on text), with its vocabulary.json.",
+    )  # fmt: skip
+    generate.add_argument("run_dir", metavar="RUN_DIR", type=_path, help="a finished run's directory")
+    generate.add_argument("--prompt", default="\n", help="text to start from (default: a newline)")
+    generate.add_argument("--tokens", type=int, default=200, metavar="N", help="tokens to sample (default 200)")
+    generate.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (default 0.8)")
+    generate.add_argument("--top-k", type=int, default=20, metavar="K", help="sample among the K likeliest (default 20; 0: all)")
+    generate.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default 0)")
     commands.add_parser("info", help="list strategies, models and data sets, and where data is found")
     return parser
 
@@ -331,6 +341,15 @@ def cmd_report(sweep_dir: str, out: str | None) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    """`ako generate`: the prompt and the text sampled after it."""
+    from ako.generate import generate
+
+    text = generate(args.run_dir, args.prompt, args.tokens, args.temperature, args.top_k, args.seed)
+    print(args.prompt + text)
+    return 0
+
+
 def cmd_calibrate(config: TrainConfig, out: str | None, processes: int) -> int:
     """`ako calibrate`: measure, write the profile, print it."""
     from ako.api import calibrate
@@ -407,6 +426,8 @@ def _main(argv: list[str] | None) -> int:
             return cmd_sweep(args.file, args.out, args.jobs, args.progress)
         if args.command == "report":
             return cmd_report(args.sweep_dir, args.out)
+        if args.command == "generate":
+            return cmd_generate(args)
         if args.command == "calibrate":
             return cmd_calibrate(config_from_args(args, simulated=True), args.out, args.processes)
         return cmd_train(config_from_args(args))
