@@ -18,7 +18,7 @@ import torch
 
 from ako import TrainConfig
 from ako.data import ShardSampler, fetch, load_dataset
-from ako.models import build_model
+from ako.models import build_model, model_options
 from ako.config import SIMULATE_OPTIONS, TRAIN_OPTIONS, validate
 from ako.optim import Optimization
 from ako.replica import Replica
@@ -70,9 +70,9 @@ def make_replica(model, config: TrainConfig, steps: int = 1000) -> Replica:
 def single_process_sgd(config: TrainConfig, steps: int, ranks=None) -> torch.Tensor:
     """Flat parameters after `steps` steps of SGD on the union of the mini-batches of workers
     `ranks` (default: all; each step: their batches of that step, concatenated)."""
-    split = load_dataset(config.dataset, config.data_dir, config.train_samples, config.test_samples)
+    split = load_dataset(config.dataset, config.data_dir, config.train_samples, config.test_samples, config.context)
     torch.manual_seed(config.seed)
-    model = build_model(config.model, split.input_shape, split.num_classes)
+    model = build_model(config.model, split.input_shape, split.num_classes, **model_options(config.model, config))
     planned = max(1, round(config.epochs * (len(split.train) // config.workers // config.batch_size)))
     replica = make_replica(model, config, planned)  # the schedule spans the run's planned steps
     samplers = [
