@@ -1,7 +1,12 @@
 """ako's `allreduce` against PyTorch DistributedDataParallel: same model, same 2 workers (one
 thread each), same mini-batches, same optimizer; samples/s of each, side by side in one run.
+With `--workers 1` the reference is a plain single-process loop (no DDP).
 
     .venv/bin/python benchmarks/ddp_vs_allreduce.py [--steps 400] [--repeats 5]
+    .venv/bin/python benchmarks/ddp_vs_allreduce.py --model gpt [--workers 1]   # fortunes, AdamW, tokens/s
+
+The cnn trains with SGD and momentum at batch 64 a worker; the gpt with AdamW at batch 16 a
+worker on Debian's fortunes (sequences of 128 tokens).
 
 Both runs do the same number of steps over the same shards of Fashion-MNIST (digits when it is
 absent); each figure is the median over `repeats` runs, alternating the two, and the ratio is
@@ -20,18 +25,29 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import ako
 from ako.data import ShardSampler, fetch, load_dataset
 from ako.models import build_model
+from ako.replica import classification_loss
 from ako.runtime.distributed.launcher import launch_function
 
-WORKERS, BATCH = 2, 64
+SETTINGS = {  # model -> batch per worker, optimizer settings (TrainConfig's fields)
+    "cnn": (64, dict(optimizer="sgd", lr=0.05, momentum=0.9, nesterov=False, weight_decay=0.0)),
+    "gpt": (16, dict(optimizer="adamw", lr=3e-3)),
+}
 
 
-def ddp_worker(dataset: str, steps: int) -> float:
-    """One DDP worker; returns samples/s over `steps` steps (rank 0's clock, after a barrier)."""
+def _optimizer(model_name: str, params):
+    settings = SETTINGS[model_name][1]
+    if settings["optimizer"] == "sgd":
+        return torch.optim.SGD(params, lr=settings["lr"], momentum=settings["momentum"])
+    return torch.optim.AdamW(params, lr=settings["lr"])
+
+
+def reference_worker(model_name: str, dataset: str, steps: int) -> float:
+    """One DDP worker (a plain loop when alone); returns samples/s over `steps` steps (rank
+    0's clock, after a barrier)."""
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = timedelta(seconds=60)
@@ -39,26 +55,29 @@ def ddp_worker(dataset: str, steps: int) -> float:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     split = load_dataset(dataset)
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(build_model("cnn", split.input_shape, split.num_classes))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    sampler = ShardSampler(len(split.train), rank, world, BATCH, seed=0)
+    model = build_model(model_name, split.input_shape, split.num_classes)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = _optimizer(model_name, model.parameters())
+    batch = SETTINGS[model_name][0]
+    sampler = ShardSampler(len(split.train), rank, world, batch, seed=0)
     dist.barrier()
     start = time.perf_counter()
     for t in range(steps):
-        x, y = fetch(split.train, sampler.batch(t))  # the built-in data sets give (x, y)
         optimizer.zero_grad(set_to_none=False)
-        F.cross_entropy(model(x), y).backward()
+        classification_loss(model, fetch(split.train, sampler.batch(t))).backward()  # cross-entropy (per token)
         optimizer.step()
     seconds = time.perf_counter() - start
     dist.destroy_process_group()
-    return world * BATCH * steps / seconds
+    return world * batch * steps / seconds
 
 
-def ako_allreduce(dataset: str, steps: int, out_dir: str) -> float:
+def ako_allreduce(model_name: str, dataset: str, workers: int, steps: int, out_dir: str) -> float:
     split = load_dataset(dataset)
-    per_epoch = ShardSampler(len(split.train), 0, WORKERS, BATCH, 0).steps_per_epoch
+    batch, settings = SETTINGS[model_name]
+    per_epoch = ShardSampler(len(split.train), 0, workers, batch, 0).steps_per_epoch
     config = ako.TrainConfig(
-        strategy="allreduce", workers=WORKERS, dataset=dataset, batch_size=BATCH, lr=0.05, momentum=0.9,
+        strategy="allreduce", workers=workers, dataset=dataset, model=model_name, batch_size=batch, **settings,
         epochs=steps / per_epoch, eval_every=1000.0, progress=False, out_dir=out_dir,
     )  # fmt: skip
     summary = ako.train(config).summary
@@ -67,22 +86,30 @@ def ako_allreduce(dataset: str, steps: int, out_dir: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=tuple(SETTINGS), default="cnn")
+    parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out-dir", default="runs/benchmarks")
     args = parser.parse_args()
-    dataset = "fashion-mnist" if ako.data.find_data_dir("fashion-mnist") else "digits"
-    ddp, ours = [], []
+    if args.model == "gpt":
+        dataset = "fortunes"
+    else:
+        dataset = "fashion-mnist" if ako.data.find_data_dir("fashion-mnist") else "digits"
+    reference, ours = [], []
     for _ in range(args.repeats):
-        ddp.append(launch_function(ddp_worker, WORKERS, dataset, args.steps)[0])
-        ours.append(ako_allreduce(dataset, args.steps, args.out_dir))
-    d, o = statistics.median(ddp), statistics.median(ours)
-    print(f"{WORKERS} workers x 1 thread, cnn on {dataset}, batch {BATCH} per worker, {args.steps} steps, "
-          f"median of {args.repeats}")  # fmt: skip
-    print(f"  DistributedDataParallel  {d:8.0f} samples/s   runs: {', '.join(f'{v:.0f}' for v in ddp)}")
-    print(f"  ako allreduce            {o:8.0f} samples/s   runs: {', '.join(f'{v:.0f}' for v in ours)}")
-    print(f"  ratio ako / DDP          {statistics.median(a / b for a, b in zip(ours, ddp)):8.3f}   (median of the pairs')")
-
+        reference.append(launch_function(reference_worker, args.workers, args.model, dataset, args.steps)[0])
+        ours.append(ako_allreduce(args.model, dataset, args.workers, args.steps, args.out_dir))
+    d, o = statistics.median(reference), statistics.median(ours)
+    tokens = 128 if args.model == "gpt" else None
+    unit = "tokens/s" if tokens else "samples/s"
+    scale = tokens or 1
+    name = "DistributedDataParallel" if args.workers > 1 else "plain PyTorch loop"
+    print(f"{args.workers} worker(s) x 1 thread, {args.model} on {dataset}, batch {SETTINGS[args.model][0]} per worker, "
+          f"{args.steps} steps, median of {args.repeats}")  # fmt: skip
+    print(f"  {name:<24} {d * scale:8.0f} {unit}   runs: {', '.join(f'{v * scale:.0f}' for v in reference)}")
+    print(f"  {'ako allreduce':<24} {o * scale:8.0f} {unit}   runs: {', '.join(f'{v * scale:.0f}' for v in ours)}")
+    print(f"  ratio ako / reference    {statistics.median(a / b for a, b in zip(ours, reference)):8.3f}   (median of the pairs')")
 
 if __name__ == "__main__":
     main()

@@ -169,9 +169,12 @@ def time_to_target(records: list[dict], goal, prefix: str = "test") -> float | N
 
 def objective(goal, metrics) -> tuple[str, bool]:
     """The metric that says which of two models is better, and whether higher is better: the
-    target's, else accuracy, else loss, else the first the evaluation gives."""
+    target's, else a language model's loss, else accuracy, else loss, else the first the
+    evaluation gives."""
     if goal is not None:
         return goal.metric, goal.op == ">="
+    if "perplexity" in metrics:  # a language model: judged by its loss, not its next-token accuracy
+        return "loss", False
     for name, higher in (("accuracy", True), ("loss", False)):
         if name in metrics:
             return name, higher
