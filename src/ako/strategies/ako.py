@@ -78,6 +78,7 @@ SMALL_BATCH = 16
 DEFAULT_STALENESS = 1  # steps a worker may run ahead of the slowest peer it has heard from
 RING_FROM = 8  # `--exchange auto`: the ring from this many workers on
 EXCHANGES = ("auto", "all-to-all", "ring")  # --exchange
+UPDATES = ("auto", "deltas", "gradients")  # --update
 
 
 def worker(ctx):
@@ -96,12 +97,15 @@ def worker(ctx):
 
 
 class LocalSteps:
-    """The own optimizer steps and the accumulator A of their deltas not yet sent (numel,)."""
+    """Windows of deltas (`--update deltas`): the own optimizer steps and the accumulator A of
+    their deltas not yet sent (numel,). The peers' corrections go into the replica itself
+    (`target`), at once."""
 
     def __init__(self, replica):
         self.replica = replica
         self.acc = torch.zeros_like(replica.params)
         self.before = torch.empty_like(replica.params)
+        self.target = replica.params
 
     def step(self, grad: torch.Tensor) -> None:
         """One optimizer step with `grad` on the replica; its delta goes into A."""
@@ -109,11 +113,49 @@ class LocalSteps:
         self.replica.step(grad)
         self.acc.sub_(self.before.sub_(self.replica.params))  # acc += after - before, without rounding acc into params
 
+    def finish(self) -> None:
+        """The step is done already (`step`)."""
+
+    def end(self, ctx):
+        """Nothing after the flush: it has made the replicas equal."""
+        return
+        yield
+
     def take(self, lo: int, hi: int) -> torch.Tensor:
         """A[lo:hi] (a copy), zeroed in A: the window of those coordinates to send."""
         window = self.acc[lo:hi].clone()
         self.acc[lo:hi].zero_()
         return window
+
+
+class GradientSteps(LocalSteps):
+    """Windows of gradients (`--update gradients`, DGA's own form): A accumulates the raw
+    gradients, and the peers' corrections (peer's window - own window) / n go into a buffer
+    (`target`) that joins the next optimizer step's gradient: step t's optimizer step is taken,
+    after the exchange, on g_t + the corrections settled by then (`finish`). With p = 1, s = 0
+    that is the mean gradient, so Ako is all-reduce for any optimizer (AdamW's step is not
+    linear in the gradient: the mean of the workers' AdamW deltas is not AdamW's step on the
+    mean gradient)."""
+
+    def __init__(self, replica):
+        super().__init__(replica)
+        self.target = torch.zeros_like(replica.params)
+        self.grad = torch.zeros_like(replica.params)
+
+    def step(self, grad: torch.Tensor) -> None:
+        """Note step t's gradient (numel,) and add it to A; the optimizer steps in `finish`."""
+        self.grad.copy_(grad)
+        self.acc.add_(grad)
+
+    def finish(self) -> None:
+        """The optimizer step on the gradient plus the corrections settled since the last one."""
+        self.replica.step(self.grad.add_(self.target))
+        self.target.zero_()
+
+    def end(self, ctx):
+        """After the flush the replicas differ (each went through its own optimizer state), so
+        they are made one: their mean."""
+        yield from average_replicas(ctx, set(), always=True)
 
 
 def takes_partial_steps(ctx, s: int) -> bool:
@@ -156,8 +198,8 @@ class Pace:
 
 def _all_to_all(ctx, parts, s):
     n, replica = ctx.world_size, ctx.replica
-    own = LocalSteps(replica)
-    ledger = Ledger(ctx.peers, n, replica.params, parts)
+    own = own_steps(ctx)
+    ledger = Ledger(ctx.peers, n, own.target, parts)
     pace = Pace(ctx, s)
     t = 0
     while True:
@@ -171,6 +213,7 @@ def _all_to_all(ctx, parts, s):
         for message in (yield Poll(AKO_WINDOW)):
             ledger.add(message)
         ledger.settle(up_to=t)
+        own.finish()
         t += 1
         if ctx.stopping:
             break
@@ -184,10 +227,21 @@ def _all_to_all(ctx, parts, s):
         ledger.settle(up_to=_FLUSH_STEP)
     assert not ledger.own and not ledger.pending, "Ako's ledger must be settled after the flush"
     yield from average_replicas(ctx, ledger.dead)
+    yield from own.end(ctx)
     return t, unflushed
 
 
-def average_replicas(ctx, dead: set[int]):
+def own_steps(ctx) -> LocalSteps:
+    """The own steps of `--update`: windows of deltas (`LocalSteps`), or of gradients
+    (`GradientSteps`); auto takes deltas for sgd, whose momentum is linear in the gradients, and
+    gradients for every other optimizer (AdamW's step is not)."""
+    update = ctx.config.update
+    if update == "auto":
+        update = "deltas" if ctx.config.optimizer == "sgd" and ctx.config.optimizer_fn is None else "gradients"
+    return GradientSteps(ctx.replica) if update == "gradients" else LocalSteps(ctx.replica)
+
+
+def average_replicas(ctx, dead: set[int], always: bool = False):
     """Make the surviving replicas the same after a loss. Without one the flush has made them
     equal (to float rounding); after one, a lost worker's last windows may have reached some
     survivors and not others (in flight when it died), and the replicas differ by those
@@ -196,10 +250,11 @@ def average_replicas(ctx, dead: set[int]):
     all its windows, reach every survivor). When any did, each sends its replica to the peers
     whose answer came and takes the mean of those that come, summed in rank order: every
     survivor computes the same bits, settling the lost worker's windows the same way on each.
-    A peer lost meanwhile is left out."""
-    flag = torch.tensor([int(bool(dead))], dtype=torch.uint8)
+    A peer lost meanwhile is left out. `always`: average whether or not a worker was lost
+    (windows of gradients leave the replicas apart after the flush)."""
+    flag = torch.tensor([int(bool(dead) or always)], dtype=torch.uint8)
     flags = yield from _exchange(ctx, [peer for peer in ctx.peers if peer not in dead], flag, AKO_LOSS)
-    if not (dead or any(f.item() for f in flags.values())):
+    if not (dead or always or any(f.item() for f in flags.values())):
         return
     mine = ctx.replica.params.detach().to("cpu", copy=True)
     replicas = {ctx.rank: mine, **(yield from _exchange(ctx, sorted(flags), mine, AKO_REPLICA))}
@@ -357,7 +412,7 @@ def _ring(ctx, parts, s):
     started a step's all-reduce: a collective does not say who the others wait for, and one
     neighbour ahead is enough for a straggler to know it is behind."""
     n, replica = ctx.world_size, ctx.replica
-    own = LocalSteps(replica)
+    own = own_steps(ctx)
     inflight: deque = deque()  # (lo, hi, own window, handle), oldest first
     t, stop, heard = 0, False, -1
     pace = Pace(ctx, s)
@@ -373,20 +428,26 @@ def _ring(ctx, parts, s):
             yield Send(_EMPTY, (ctx.rank - 1) % n, AKO_PROGRESS, step=t)
         t += 1
         while len(inflight) > s:
-            stop |= yield from _settle_ring(replica, n, *inflight.popleft())
+            stop |= yield from _settle_ring(own.target, n, *inflight.popleft())
+        own.finish()
     while inflight:
-        yield from _settle_ring(replica, n, *inflight.popleft())
+        yield from _settle_ring(own.target, n, *inflight.popleft())
     unflushed = replica.params.clone() if ctx.rank == 0 else None
+    if isinstance(own, GradientSteps):  # the replicas went through their own optimizer states: one mean
+        total = yield AllReduce(replica.params.clone(), "sum")
+        replica.params.copy_(total.div_(n))
+        return t, unflushed
     window = own.take(0, replica.numel)
     total = yield AllReduce(window.clone(), "sum")
     replica.params.add_(total.div_(n).sub_(window))
     return t, unflushed
 
 
-def _settle_ring(replica, n: int, lo: int, hi: int, mine: torch.Tensor, handle):
-    """Wait for one step's all-reduce and swap the own window for the mean; returns the vote."""
+def _settle_ring(target: torch.Tensor, n: int, lo: int, hi: int, mine: torch.Tensor, handle):
+    """Wait for one step's all-reduce and swap the own window for the mean, in `target` (the
+    replica, or the gradient's corrections); returns the vote."""
     total = yield Wait(handle)
-    replica.params[lo:hi].add_(total[:-1].div_(n).sub_(mine))
+    target[lo:hi].add_(total[:-1].div_(n).sub_(mine))
     return total[-1].item() > 0
 
 
@@ -499,6 +560,9 @@ STRATEGY = Strategy(
                "(default batch-size / 4; a step's samples, batch-size x accumulate, turn them off)",
                default=default_micro_batch, check=check_micro_batch),
         Option(name="bandwidth", help="link budget of p = auto, e.g. 1Gbit or 100MB (default: measured)"),
+        Option(name="update", help="what a window carries: deltas (each worker's own optimizer steps), gradients "
+               "(the optimizer steps on the gradient plus the peers' corrections: all-reduce at p = 1, s = 0 for any "
+               "optimizer), or auto (deltas for sgd, gradients for the others)", choices=UPDATES),
     ),
     paper="Watcharapichat et al., SoCC 2016; the update as delayed gradient averaging (Zhu et al., NeurIPS 2021)",
 )  # fmt: skip
