@@ -8,12 +8,14 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from helpers import small_config
 from own_training import loss_checking_the_lock
 from test_checkpoint import checkpointed_run
 
 import ako
+from ako.data import write_idx
 from ako.cli import main
 from ako.run import lock
 
@@ -58,10 +60,15 @@ def test_a_resume_from_a_file_says_it_is_a_file(tmp_path, capsys):
     assert f"resume {str(file)!r}: a file, not a run directory" in err
 
 
-@pytest.mark.skipif(not os.path.isdir("/usr/share/datasets/fashion-mnist"), reason="needs Fashion-MNIST (Debian's dataset-fashion-mnist)")
 def test_a_resume_onto_another_data_set_names_the_data_set(tmp_path, capsys):
     run_dir = checkpointed_run(tmp_path, strategy="allreduce")
-    code = main(["train", "--resume", str(run_dir), "--dataset", "fashion-mnist", "--epochs", "2"])
+    data = tmp_path / "data"  # a small IDX set of 8x8 images, which the digits cnn takes
+    data.mkdir()
+    images, labels = np.zeros((400, 8, 8), np.uint8), np.arange(400, dtype=np.uint8) % 10
+    for split in ("train", "t10k"):
+        write_idx(data / f"{split}-images-idx3-ubyte", images, gz=False)
+        write_idx(data / f"{split}-labels-idx1-ubyte", labels, gz=False)
+    code = main(["train", "--resume", str(run_dir), "--dataset", "fashion-mnist", "--data-dir", str(data), "--epochs", "2"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert "written by a run with dataset 'digits', not 'fashion-mnist'" in err
