@@ -182,8 +182,9 @@ RECORDED_AKO = replace(STRATEGIES["ako"], worker=recorded(ako_strategy.worker, s
 
 def find_process(name: str, ancestor: int, deadline: float) -> int:
     """PID of the process under `ancestor` named `name` (workers name themselves ako-rank<R>,
-    servers ako-server<R>; the launcher's fork server is their parent), waiting for it."""
-    while time.monotonic() < deadline:
+    servers ako-server<R>; the launcher's fork server is their parent), waiting for it.
+    Raises AssertionError when `ancestor` ends first, or at `deadline`."""
+    while time.monotonic() < deadline and _running(ancestor):
         for pid in descendants(ancestor):
             try:
                 if Path(f"/proc/{pid}/comm").read_text().strip() == name:
@@ -191,7 +192,7 @@ def find_process(name: str, ancestor: int, deadline: float) -> int:
             except OSError:
                 continue
         time.sleep(0.1)
-    raise AssertionError(f"no process {name} appeared")
+    raise AssertionError(f"no process {name} appeared" + ("" if _running(ancestor) else f" before process {ancestor} ended"))
 
 
 def descendants(ancestor: int) -> list[int]:
@@ -292,7 +293,12 @@ def run_and_kill(cmd: list[str], victim: str, out_dir: Path, settle: float = 0.0
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90
-        pid = find_process(victim, proc.pid, deadline)
+        try:
+            pid = find_process(victim, proc.pid, deadline)
+        except AssertionError as e:  # say what the command printed: why it ended, or where it stood
+            proc.kill()
+            out, err = proc.communicate()
+            raise AssertionError(f"{e}; exit status {proc.returncode}, stdout:\n{out}\nstderr:\n{err}") from None
         (ready or wait_for_metrics)(out_dir, deadline)
         time.sleep(settle)
         killed = time.monotonic()
