@@ -37,7 +37,7 @@ def start_and_kill(out_dir: Path, strategy: str, victim: str = "ako-rank1", *ext
     returns (exit status, stdout, stderr, seconds from the kill to the end)."""
     world = 3 if strategy in PARAMETER_SERVER else 2
     cmd = [sys.executable, "-m", "ako", "train", "--strategy", strategy, "--workers", "2",
-           "--dataset", "digits", "--batch-size", "16", "--epochs", "6", "--eval-every", "2",
+           "--dataset", "digits", "--batch-size", "16", "--epochs", "16", "--eval-every", "4",
            "--checkpoint-every", "0.2s", "--out-dir", str(out_dir), "--timeout", "60", "--no-progress",
            *extra]  # fmt: skip
     ready = lambda d, deadline: wait_for_checkpoint(d, world, deadline)  # noqa: E731
