@@ -50,13 +50,10 @@ from ako.runtime.distributed.mailbox import Dropped, comm_error
 from ako.runtime.distributed.process import RUN_DIR_KEY, join_process_group, startup_timeout
 from ako.runtime.distributed.replicas import MailboxReplicas
 from ako.runtime.distributed.runtime import DistributedRuntime
+from ako.runtime.distributed.scripts import FAILED_KEY, LAUNCHER_ENV, SETTINGS_ENV, STRATEGY_KEY
 from ako.runtime.loop import LoopDriver, UserOptimization
 from ako.strategies import STRATEGIES, ServerContext, WorkerContext
 
-SETTINGS_ENV = "AKO_LOOP"  # `ako run`'s settings, JSON: they override `wrap`'s keywords
-LAUNCHER_ENV = "AKO_RUN"  # set by `ako run`: failures go to its store, and it prints them
-FAILED_KEY = "ako/loop/failed/"  # + rank: a worker's one-line failure, for `ako run`
-STRATEGY_KEY = "ako/loop/strategy"  # the strategy rank 0 runs, for `ako run`
 NEEDS_THE_BATCH = {  # strategies a loop cannot run, and why
     "absp": "its partial steps need ako to own the batch (ako train --strategy absp)",
     "bsp": "its servers step the optimizer, and yours lives in your script (ako train --strategy bsp)",
@@ -279,6 +276,8 @@ class Loop:
             self.runtime.broadcast(self.replica.params)  # every replica starts as rank 0's, as DDP's do
             for buffer in model.buffers():
                 self.runtime.broadcast(buffer)
+            if rank == 0:
+                store.set(STRATEGY_KEY, config.strategy)  # for `ako run`: whether a worker's loss is survived
             self.run_dir = self._run_dir(out_dir) if rank == 0 else None
             self.runtime.barrier()
             self.runtime.started()
@@ -315,7 +314,6 @@ class Loop:
         run_dir = create_run_dir(out_dir, self.config.strategy)
         write_atomic(run_dir / "config.toml", to_toml(self.config))
         self.store.set(RUN_DIR_KEY, str(run_dir))
-        self.store.set(STRATEGY_KEY, self.config.strategy)
         return run_dir
 
     def _serve(self) -> None:
