@@ -80,3 +80,104 @@ def test_under_ako_defaults_the_replicas_are_equal_after_finish_and_the_run_dire
     assert all(r["replicas"] == 2 and r["consensus_distance"] >= 0 and r["bytes_sent"] > 0 for r in records)
     assert records[-1]["bytes_sent"] > records[0]["bytes_sent"]
 
+
+
+def _rank_pid(launcher: subprocess.Popen, rank: int, deadline: float) -> int:
+    """The pid of `ako run`'s process of `rank` (its child with RANK=rank)."""
+    while time.monotonic() < deadline:
+        for child in Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split():
+            try:
+                environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"RANK={rank}".encode() in environ:
+                return int(child)
+        time.sleep(0.1)
+    raise AssertionError(f"no process of rank {rank} appeared")
+
+
+def _kill_rank_while_training(tmp_path: Path, strategy: str, workers: int = 3) -> tuple[subprocess.CompletedProcess, float]:
+    """`ako run` of the script, 60 steps of 50 ms, with rank 1 killed once training is under
+    way (rank 0's run directory exists); returns the outcome and its seconds."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+    command = [sys.executable, "-m", "ako", "run", "--workers", str(workers), "--strategy", strategy, "--timeout", "20",
+               SCRIPT, str(tmp_path), "60", "0.05"]  # fmt: skip
+    started = time.monotonic()
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        victim = _rank_pid(launcher, 1, deadline)
+        while not list((tmp_path / "runs").glob("*/config.toml")):
+            assert time.monotonic() < deadline and launcher.poll() is None
+            time.sleep(0.1)
+        time.sleep(1.0)
+        os.kill(victim, signal.SIGKILL)
+        stdout, stderr = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    return subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr), time.monotonic() - started
+
+
+@pytest.mark.parametrize("strategy", ["ako", "gossip"])
+def test_a_killed_rank_under_ako_run_is_named_and_the_others_finish(tmp_path, strategy):
+    out, _ = _kill_rank_while_training(tmp_path, strategy)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stderr.splitlines() if "rank 1" in line]
+    assert lines == ["ako run: worker rank 1 lost: killed by SIGKILL; the others go on without it"], out.stderr
+    assert (tmp_path / "rank0.pt").exists() and (tmp_path / "rank2.pt").exists() and not (tmp_path / "rank1.pt").exists()
+    if strategy == "ako":  # the survivors' replicas are made one after the loss
+        assert torch.allclose(torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank2.pt"), atol=1e-6, rtol=0)
+
+
+def test_a_killed_rank_under_allreduce_fails_the_run_in_one_line_without_a_hang(tmp_path):
+    out, seconds = _kill_rank_while_training(tmp_path, "allreduce")
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == "ako run: worker rank 1 failed: killed by SIGKILL", out.stderr
+    assert "Traceback" not in out.stderr
+    assert seconds < 60
+
+
+MISUSE = str(Path(__file__).parent / "loop_misuse.py")
+
+
+@pytest.mark.parametrize(
+    "case, line",
+    [
+        ("stepped", "ako: error: wrap: the optimizer (SGD) has stepped already; wrap the model and optimizer before the "
+                    "first optimizer.step(), so that every replica starts alike"),
+        ("not-held", "ako: error: wrap: the optimizer does not hold parameter '2.weight' of the model (2 of 4 not held); "
+                     "give it model.parameters()"),
+        ("absp", "ako: error: strategy absp cannot run in your own loop: its partial steps need ako to own the batch "
+                 "(ako train --strategy absp)"),
+        ("no-servers", "ako: error: strategy easgd needs parameter servers, and none were started: run the script with "
+                       "ako run --servers S (or give servers=S to wrap and start S more processes)"),
+    ],
+)  # fmt: skip
+def test_bad_usage_under_ako_run_is_one_line_exit_2_and_nothing_written(tmp_path, case, line):
+    out = ako_run("--workers", "2", MISUSE, case, cwd=tmp_path)
+    assert (out.returncode, out.stderr.strip()) == (2, line)
+    assert "wrapped" not in out.stdout and list(tmp_path.iterdir()) == []
+
+
+def test_a_strategy_flag_a_loop_cannot_run_is_one_line_before_any_process(tmp_path):
+    out = ako_run("--workers", "2", "--strategy", "bsp", MISUSE, "fine", cwd=tmp_path)
+    assert (out.returncode, out.stderr.strip()) == (2, "ako: error: strategy bsp cannot run in your own loop: its servers "
+                                                    "step the optimizer, and yours lives in your script (ako train --strategy bsp)")  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_script_that_does_not_exist_is_one_line(tmp_path):
+    out = ako_run("--workers", "2", "nowhere.py", cwd=tmp_path)
+    assert (out.returncode, out.stderr.strip()) == (2, "ako: error: script 'nowhere.py': no such file")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_without_a_launcher_wrap_says_so_in_one_line(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(Path(__file__).parent.parent / "src")
+    out = subprocess.run([sys.executable, MISUSE, "fine"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    assert (out.returncode, out.stderr.strip()) == (2, "ako: error: no launcher environment: rank and world size unknown "
+                                                    "(RANK and WORLD_SIZE are not set); start the script with torchrun "
+                                                    "--nproc-per-node N or ako run --workers N")  # fmt: skip
+    assert list(tmp_path.iterdir()) == []

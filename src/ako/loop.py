@@ -300,6 +300,7 @@ class Loop:
         self.driver = self._guarded(lambda: LoopDriver(self.runtime, self.strategy.worker, ctx, self.replica, slowdown,
                                                        self._stepped))  # fmt: skip
         # nanoGPT's way to say no_sync under DDP: model.require_backward_grad_sync = False
+        self.driver.guard = self._guarded
         self.driver.wants_sync = lambda: getattr(model, "require_backward_grad_sync", True) is not False
         self._patch()
 
@@ -463,6 +464,7 @@ class Loop:
         line = one_line(e)
         said = False
         if os.environ.get(LAUNCHER_ENV):
+            time.sleep(1.0)  # often this rank only met another's death: the launcher sees that one first
             try:
                 self.store.set(f"{FAILED_KEY}{self.rank}", line)
                 said = True

@@ -123,6 +123,8 @@ class LoopDriver:
         self.in_backward = False
         self.sync = True  # False inside `no_sync` (gradient accumulation): backward reduces nothing
         self.wants_sync: Callable[[], bool] = lambda: True  # the caller's say too (nanoGPT's require_backward_grad_sync)
+        # runs the collectives started inside the user's backward (the caller's one-line failure)
+        self.guard: Callable[[Callable], object] = lambda fn: fn()
         self.last = time.perf_counter()  # when the user's loop last got control back
         self.tensors = [p for p in replica.model.parameters() if p.requires_grad]  # as the replica orders them
         self.views = [p.grad for p in self.tensors]  # views of the replica's flat gradient
@@ -175,13 +177,13 @@ class LoopDriver:
             if self.reduced:  # a second backward before the step: reduce its buckets again
                 self.buckets.begin(self._vote)
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-        self.buckets.ready(i)
+        self.guard(lambda: self.buckets.ready(i))
 
     def _backward_done(self) -> None:
         """The end of a backward: start the buckets it did not reach (unused parameters) and
         wait for them all."""
         self.in_backward = False
-        self.buckets.finish()
+        self.guard(self.buckets.finish)
         self.reduced = True
 
     def _reduced_gradient(self) -> ReducedGradient:

@@ -99,6 +99,12 @@ class _Watch:
     def role(self, rank: int) -> str:
         return "worker" if rank < self.workers else "server"
 
+    def _said(self, rank: int) -> bool:
+        try:
+            return self.store.check([f"{FAILED_KEY}{rank}"])
+        except RuntimeError:
+            return False
+
     def line(self, rank: int, code: int) -> str:
         """The process's own line (from the store), else how it ended."""
         key = f"{FAILED_KEY}{rank}"
@@ -127,10 +133,11 @@ class _Watch:
         usage_since = None
         while running:
             time.sleep(_POLL)
-            for rank in sorted(running):
-                code = self.procs[rank].poll()
-                if code is None:
-                    continue
+            ended = [rank for rank in sorted(running) if self.procs[rank].poll() is not None]
+            # a rank that died without a word first: the others' lines are mostly that death, met
+            ended.sort(key=lambda rank: self._said(rank))
+            for rank in ended:
+                code = self.procs[rank].returncode
                 running.discard(rank)
                 if code == 0:
                     if rank == 0:
