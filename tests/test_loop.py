@@ -181,3 +181,32 @@ def test_without_a_launcher_wrap_says_so_in_one_line(tmp_path):
                                                     "(RANK and WORLD_SIZE are not set); start the script with torchrun "
                                                     "--nproc-per-node N or ako run --workers N")  # fmt: skip
     assert list(tmp_path.iterdir()) == []
+
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def _example_env() -> dict:
+    """pytorch/examples' mnist script here: torchvision's stand-in (Fashion-MNIST's files as
+    MNIST, 640 samples) and ako on the path."""
+    paths = [str(Path(__file__).parent / "stubs"), str(Path(__file__).parent.parent / "src")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "STUB_MNIST_SAMPLES": "640"}
+
+
+@pytest.mark.parametrize("launcher", ["ako run", "torchrun"])
+def test_pytorch_examples_mnist_with_three_lines_trains_under_both_launchers(tmp_path, launcher):
+    original, changed = (EXAMPLES / "mnist" / "original.py").read_text(), (EXAMPLES / "mnist" / "main.py").read_text()
+    added = [line for line in changed.splitlines() if line not in original.splitlines()]
+    assert len(added) == 3 and len(changed.splitlines()) == len(original.splitlines()) + 3
+    start = ([sys.executable, "-m", "ako", "run", "--workers", "2", "--strategy", "allreduce"] if launcher == "ako run"
+             else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"])  # fmt: skip
+    args = [str(EXAMPLES / "mnist" / "main.py"), "--epochs", "2", "--test-batch-size", "320", "--save-model"]
+    out = subprocess.run(start + args, capture_output=True, text=True, cwd=tmp_path, env=_example_env(), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    tests = [line for line in out.stdout.splitlines() if line.startswith("Test set:")]
+    assert len(tests) == 4  # two epochs, two workers
+    accuracy = [int(line.split("Accuracy: ")[1].split("/")[0]) for line in tests]
+    assert accuracy[-1] > 640 * 0.3  # ten classes: it learned
+    if launcher == "ako run":  # allreduce: both workers hold the same model, and test it alike
+        assert accuracy[0] == accuracy[1] and accuracy[2] == accuracy[3]
+    assert (tmp_path / "mnist_cnn.pt").exists()
