@@ -210,3 +210,18 @@ def test_pytorch_examples_mnist_with_three_lines_trains_under_both_launchers(tmp
     if launcher == "ako run":  # allreduce: both workers hold the same model, and test it alike
         assert accuracy[0] == accuracy[1] and accuracy[2] == accuracy[3]
     assert (tmp_path / "mnist_cnn.pt").exists()
+
+
+@pytest.mark.parametrize("mode", ["no_sync", "plain", "amp"])
+def test_gradient_accumulation_clipping_and_a_grad_scaler_in_a_wrapped_loop(tmp_path, mode):
+    """Two micro-batches a step, reduced once (no_sync) or at each backward (plain): both equal
+    `ako train --accumulate 2`; with bf16 autocast, a GradScaler and clipping, close to it."""
+    expected = trained_by_ako_train(tmp_path, "allreduce", accumulate=2)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parent.parent / "src")])}
+    out = subprocess.run([sys.executable, "-m", "ako", "run", "--workers", "2", str(Path(__file__).parent / "loop_accumulate.py"),
+                          str(tmp_path), mode], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=240)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    first, second = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert torch.equal(first, second)
+    gap = (first - expected).abs().max().item()
+    assert gap < (1e-2 if mode == "amp" else 1e-5), gap
