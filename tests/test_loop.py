@@ -225,3 +225,15 @@ def test_gradient_accumulation_clipping_and_a_grad_scaler_in_a_wrapped_loop(tmp_
     assert torch.equal(first, second)
     gap = (first - expected).abs().max().item()
     assert gap < (1e-2 if mode == "amp" else 1e-5), gap
+
+
+def test_easgd_runs_with_the_server_ako_run_starts_and_hands_back_the_centre(tmp_path):
+    out = ako_run("--workers", "2", "--strategy", "easgd", "--tau", "2", SCRIPT, str(tmp_path), "12", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["model"] == "the centre variable (easgd)" and summary["final_consensus_distance"] > 0
+    assert [r["role"] for r in summary["per_rank"]] == ["worker", "worker", "server"]
+    assert not torch.equal(torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt"))  # rank 0: the centre

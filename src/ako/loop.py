@@ -108,6 +108,8 @@ def shard(data, batch_size: int | None = None, seed: int = 0) -> DataLoader:
     set; default 64). Rank and world from the launcher's environment (RANK, WORLD_SIZE, less
     the servers). Raises UsageError without one, or when a shard is smaller than a batch."""
     rank, workers = _worker_place()
+    if rank >= workers:  # a parameter server's: it trains on nothing
+        return data
     loader = data if isinstance(data, DataLoader) else None
     dataset = loader.dataset if loader is not None else data
     if not isinstance(dataset, Dataset) or not hasattr(dataset, "__len__"):

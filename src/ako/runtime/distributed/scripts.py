@@ -130,7 +130,7 @@ class _Watch:
     def run(self) -> int:
         running = set(self.procs)
         deadline = None  # once rank 0 has finished: when the others must have ended
-        usage_since = None
+        usage_since, usage = None, set()
         while running:
             time.sleep(_POLL)
             ended = [rank for rank in sorted(running) if self.procs[rank].poll() is not None]
@@ -145,6 +145,7 @@ class _Watch:
                     continue
                 if code == EXIT_BAD_USAGE:
                     usage_since = usage_since or time.monotonic()
+                    usage.add(rank)
                     continue
                 line = self.line(rank, code)
                 if self.survives(rank) and not self._vital_stopped(running):
@@ -160,7 +161,10 @@ class _Watch:
                 print(f"ako run: {line}", file=sys.stderr, flush=True)
                 return EXIT_FAILED
             if usage_since is not None and (0 not in running or time.monotonic() - usage_since > _USAGE_GRACE):
-                return EXIT_BAD_USAGE  # the script said why (rank 0's line)
+                if 0 not in usage:  # rank 0 says why (its line); else the rank that failed does not
+                    first = min(usage)
+                    print(f"ako run: {self.role(first)} rank {first}: bad usage (exit status 2)", file=sys.stderr, flush=True)
+                return EXIT_BAD_USAGE
             if deadline is not None and time.monotonic() > deadline and running:
                 return self._late(running)
         return 0
