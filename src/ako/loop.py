@@ -100,6 +100,27 @@ def finish(model_or_optimizer) -> nn.Module:
     return _loop_of(model_or_optimizer).finish()
 
 
+def state_dict(model_or_optimizer) -> dict:
+    """The synchronisation state to keep in a checkpoint beside the model's and optimizer's:
+    the strategy, the number of workers and the steps taken. Load a checkpoint after `wrap`
+    (`model.load_state_dict` and `optimizer.load_state_dict` fill the flat vectors in place;
+    loaded before, the optimizer would count as stepped), then `load_state_dict` this. What a
+    strategy holds in flight (Ako's windows not yet sent, gossip's pushes) is not saved: the
+    run goes on from the checkpoint's parameters, as `ako train --resume` does."""
+    loop = _loop_of(model_or_optimizer)
+    return {"strategy": loop.config.strategy, "workers": loop.config.workers, "steps": loop.driver.steps}
+
+
+def load_state_dict(model_or_optimizer, state: dict) -> None:
+    """Continue from `state_dict`'s dict: the step count goes on from it. Bad usage (another
+    strategy or number of workers than the checkpoint's): one line, SystemExit(2)."""
+    loop = _loop_of(model_or_optimizer)
+    for key in ("strategy", "workers"):
+        if state.get(key) != getattr(loop.config, key):
+            _usage(f"load_state_dict: the checkpoint's {key} is {state.get(key)!r}, this run's {getattr(loop.config, key)!r}")
+    loop.driver.steps = int(state["steps"])
+
+
 def shard(data, batch_size: int | None = None, seed: int = 0) -> DataLoader:
     """This worker's shard of `data` (a DataLoader or a map-style data set) as a DataLoader:
     disjoint equal shards per worker, reshuffled every epoch (each pass over the loader is the
