@@ -237,3 +237,23 @@ def test_easgd_runs_with_the_server_ako_run_starts_and_hands_back_the_centre(tmp
     assert summary["model"] == "the centre variable (easgd)" and summary["final_consensus_distance"] > 0
     assert [r["role"] for r in summary["per_rank"]] == ["worker", "worker", "server"]
     assert not torch.equal(torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt"))  # rank 0: the centre
+
+
+@pytest.mark.parametrize("launcher", ["ako run", "torchrun"])
+def test_a_nanogpt_style_loop_with_three_lines_trains_the_gpt_under_both_launchers(tmp_path, launcher):
+    original, changed = (EXAMPLES / "nanogpt" / "original.py").read_text(), (EXAMPLES / "nanogpt" / "train.py").read_text()
+    assert len(changed.splitlines()) == len(original.splitlines()) + 3
+    assert [line for line in changed.splitlines() if line not in original.splitlines()] == [
+        "import ako", "model, optimizer = ako.wrap(model, optimizer)", "model = ako.finish(model)"]
+    start = ([sys.executable, "-m", "ako", "run", "--workers", "2", "--strategy", "gossip"] if launcher == "ako run"
+             else [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"])  # fmt: skip
+    args = [str(EXAMPLES / "nanogpt" / "train.py"), "--max-iters", "30", "--eval-interval", "29", "--out", str(tmp_path / "ckpt.pt")]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
+    out = subprocess.run(start + args, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    val = {}
+    for line in out.stdout.splitlines():  # "rank R step S: train loss ..., val loss V"
+        if line.startswith("rank 0 step"):
+            val[int(line.split()[3].rstrip(":"))] = float(line.rsplit(" ", 1)[1])
+    assert sorted(val) == [0, 29] and val[29] < val[0] - 1.0, out.stdout
+    assert (tmp_path / "ckpt.pt").exists()
