@@ -37,7 +37,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ako.cluster import Slowdown, parse_straggler
+from ako.cluster import Slowdown
 from ako.runtime.base import drive
 from ako.runtime.distributed.runtime import DistributedRuntime, _Buckets
 from ako.strategies.ops import Compute, ComputeAllReduce, ComputePartial, Gradient, MeasureStep, ReducedGradient
