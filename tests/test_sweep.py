@@ -321,7 +321,7 @@ def test_an_interrupted_sweep_stops_its_cells_and_resumes(tmp_path):
     sweep.terminate()
     assert sweep.wait(timeout=20) == 130
     assert "interrupted; run the same command again" in sweep.stderr.read()
-    left = [pid for pid in session() if "ako.experiments.cell_process" in command_line(pid)]
+    left = [pid for pid in session() if "ako serve-cells" in command_line(pid)]
     assert left == [], f"the cell's process is still going: {left}"
     finished_before = summaries(out)
     assert list(finished_before) == ["arm=allreduce,workers=2"]
@@ -412,7 +412,7 @@ def test_a_cell_whose_process_dies_fails_and_the_next_cell_runs(tmp_path, capsys
             time.sleep(0.1)
         pids = []
         while time.monotonic() < deadline and not pids:
-            found = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "ako.experiments.cell_process"],
+            found = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "ako serve-cells"],
                                    capture_output=True, text=True)  # fmt: skip
             pids = found.stdout.split()
         for pid in pids:

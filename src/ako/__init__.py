@@ -15,7 +15,8 @@ if not os.environ.get("AKO_DEBUG"):
 _WHERE = {
     "ConfigError": "ako.config", "TrainConfig": "ako.config", "DataError": "ako.data",
     "RunResult": "ako.api", "calibrate": "ako.api", "load_model": "ako.api", "simulate": "ako.api", "train": "ako.api",
-    "WorkerFailed": "ako.runtime.distributed.launcher",
+    "WorkerFailed": "ako.runtime.distributed.launcher", "finish": "ako.loop", "shard": "ako.loop", "wrap": "ako.loop",
+    "state_dict": "ako.loop", "load_state_dict": "ako.loop",
 }  # fmt: skip
 __all__ = sorted(_WHERE)
 

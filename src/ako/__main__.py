@@ -41,5 +41,20 @@ def _skip_teardown() -> None:
     os._exit(_status)
 
 
+def serve_cells(reply_fd: int) -> None:
+    """A sweep's long-lived process for simulated cells (`ako.experiments.cell_process`),
+    each cell a whole `ako` command line run by `ako.cli.main`."""
+    from ako.cli import main
+    from ako.experiments.cell_process import serve
+
+    try:
+        serve(reply_fd, main)
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the sweep says it
+        pass
+
+
 if __name__ == "__main__":
-    console()
+    if sys.argv[1:2] == ["serve-cells"]:  # `cell_process.SERVE`, not imported here: this module stays light
+        serve_cells(int(sys.argv[2]))
+    else:
+        console()

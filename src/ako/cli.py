@@ -1,4 +1,4 @@
-"""`ako train | simulate | sweep | report | calibrate | generate | info`: parse, validate, call the API. Bad input: one line,
+"""`ako train | simulate | run | sweep | report | calibrate | generate | info`: parse, validate, call the API. Bad input: one line,
 exit status 2."""
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def _add_flags(command: argparse.ArgumentParser, flags: dict) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The `ako` argument parser; every train flag defaults to None so that a config file can fill it."""
     parser = _Parser(prog="ako", description="Data-parallel training without parameter-server bottlenecks.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,simulate,sweep,report,calibrate,generate,info}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,simulate,run,sweep,report,calibrate,generate,info}")
     train = commands.add_parser("train", help="train a model on N workers", description="Train a model on N workers.")
     simulate = commands.add_parser(
         "simulate",
@@ -176,7 +176,28 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-k", type=int, default=20, metavar="K", help="sample among the K likeliest (default 20; 0: all)")
     generate.add_argument("--seed", type=int, default=0, help="random seed of the sampling (default 0)")
     commands.add_parser("info", help="list strategies, models and data sets, and where data is found")
+    run = commands.add_parser(
+        "run", help="run your own training script (ako.wrap) on N workers, as torchrun would",
+        description="Start SCRIPT on N worker processes (and S servers), whose ako.wrap trains with the strategy; "
+                    "a failed process is named in one line, and the others go on where the strategy survives a loss.",
+    )  # fmt: skip
+    _add_flags(run, {k: _FLAGS[k] for k in _RUN_FLAGS})
+    _add_flags(run, {k: v for k, v in _FLAGS.items() if k in _strategy_flags() and k != "micro_batch"})
+    run.add_argument("--record-every", type=_positive_steps, default=None, metavar="STEPS",
+                     help="steps between two records of the synchronisation metrics (default 50)")
+    run.add_argument("script", metavar="SCRIPT", type=_path, help="your training script (python SCRIPT ARGS)")
+    run.add_argument("script_args", metavar="ARGS", nargs=argparse.REMAINDER, help="the script's own arguments")
     return parser
+
+
+# `ako run`'s own flags of TrainConfig (the strategy's options too, but for the partial steps')
+_RUN_FLAGS = ("strategy", "workers", "straggler", "timeout", "seed", "out_dir")
+
+
+def _positive_steps(text: str) -> int:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be an integer >= 1")
+    return int(text)
 
 
 def _path(text: str) -> str:
@@ -341,6 +362,33 @@ def cmd_report(sweep_dir: str, out: str | None) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    """`ako run SCRIPT ARGS`: the script's processes (`runtime.distributed.scripts`); 0, 1 when
+    one failed and the job could not go on (one line), 2 for bad input (the flags, the script)."""
+    import json
+
+    from ako.runtime.distributed.scripts import run_script
+
+    given = {name: getattr(args, name) for name in FIELDS if getattr(args, name, None) is not None}
+    settings = {name: _none(name, value) for name, value in given.items() if name != "workers"}
+    # without --strategy the script's wrap chooses it, and checks that strategy's options
+    checked = given if "strategy" in given else {k: v for k, v in given.items() if k in _RUN_FLAGS}
+    config = validate(TrainConfig(**{k: _none(k, v) for k, v in checked.items()}), given=frozenset(checked))
+    settings.update({name: getattr(config, name) for name in checked if name != "workers"})  # as validated: "2" is 2
+    if "strategy" in given and REGISTRY[config.strategy].server is not None:
+        settings["servers"] = config.servers  # the launcher starts them (default 1)
+    settings.setdefault("out_dir", "runs")
+    if args.record_every is not None:
+        settings["record_every"] = args.record_every
+    if not os.path.isfile(args.script):
+        raise ConfigError(f"script {args.script!r}: no such file")
+    servers = settings.get("servers") or 0
+    if not (isinstance(servers, int) or str(servers).isdigit()):
+        raise ConfigError(f"servers {servers!r}: must be an integer from 1 to 1024")
+    strategy = given.get("strategy")
+    return run_script(args.script, args.script_args, config.workers, int(servers), strategy, json.dumps(settings), config.timeout)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """`ako generate`: the prompt and the text sampled after it."""
     from ako.generate import generate
@@ -428,6 +476,8 @@ def _main(argv: list[str] | None) -> int:
             return cmd_report(args.sweep_dir, args.out)
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "run":
+            return cmd_run(args)
         if args.command == "calibrate":
             return cmd_calibrate(config_from_args(args, simulated=True), args.out, args.processes)
         return cmd_train(config_from_args(args))

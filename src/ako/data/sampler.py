@@ -140,3 +140,29 @@ def _require(condition: bool, message: str) -> None:
     """Raise ValueError(message) unless ``condition``."""
     if not condition:
         raise ValueError(message)
+
+
+class ShardBatches:
+    """A DataLoader's `batch_sampler` for worker `rank` of `world_size`: each pass over it is
+    one epoch of `ShardSampler`'s batches (lists of `batch_size` indices), the next pass the
+    next epoch, reshuffled; the same batches, in the same order, as `ako train` gives that
+    worker. `set_epoch(e)` chooses the epoch of the next pass (as DistributedSampler's).
+
+    Raises ValueError as `ShardSampler` does (a shard smaller than a batch)."""
+
+    def __init__(self, dataset_size: int, rank: int, world_size: int, batch_size: int, seed: int = 0):
+        self.sampler = ShardSampler(dataset_size, rank, world_size, batch_size, seed)
+        self.batch_size = batch_size
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.sampler.steps_per_epoch
+
+    def __iter__(self):
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        first = epoch * self.sampler.steps_per_epoch
+        for step in range(first, first + self.sampler.steps_per_epoch):
+            yield self.sampler.batch(step).tolist()

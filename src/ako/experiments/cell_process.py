@@ -2,13 +2,17 @@
 
 A cell in a fresh process first spends about 4 s importing torch and torch._dynamo (which
 torch.optim's first step imports): a third of a small cell. One process per job slot pays
-that once. Each cell is still a whole `ako` command line (`ako.cli.main`), its output (file
-descriptors 1 and 2) in its own log, its randomness seeded by its own settings; a cell gives
-the same result here as in a fresh process (tests/test_sweep.py).
+that once. Each cell is still a whole `ako` command line, its output (file descriptors 1 and
+2) in its own log, its randomness seeded by its own settings; a cell gives the same result
+here as in a fresh process (tests/test_sweep.py).
+
+The process is `python -m ako serve-cells FD` (`ako.__main__`, the top of the import graph):
+it hands `serve` the command line's `main`, so this module never imports `ako.cli`, which
+imports it (docs/design.md, "Layout").
 
 Protocol: one JSON request a line on stdin, {"argv": [...], "log": path}; one JSON reply a
-line on the file descriptor given as the only argument, {"status": exit status}. End of
-stdin ends the process. `CellProcess` is the sweep's side.
+line on the file descriptor FD, {"status": exit status}. End of stdin ends the process.
+`CellProcess` is the sweep's side.
 """
 
 from __future__ import annotations
@@ -21,15 +25,17 @@ import sys
 import threading
 import traceback
 from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
+SERVE = "serve-cells"  # `python -m ako serve-cells FD` runs `serve` (ako/__main__.py)
+Main = Callable[[list[str]], int]  # the command line's entry: argv -> exit status (`ako.cli.main`)
 
-def run_cell_here(argv: list[str], log: str) -> int:
-    """`ako <argv>` in this process with its stdout and stderr (the file descriptors, so
-    torch's C++ output too) in `log`; returns its exit status. What a cell may change of the
-    process is put back after it (`_process_state`)."""
-    from ako.cli import main
 
+def run_cell_here(main: Main, argv: list[str], log: str) -> int:
+    """`main(argv)` (`ako <argv>`) in this process with its stdout and stderr (the file
+    descriptors, so torch's C++ output too) in `log`; returns its exit status. What a cell may
+    change of the process is put back after it (`_process_state`)."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
@@ -80,12 +86,12 @@ def _process_state():
         torch.set_anomaly_enabled(anomaly)
 
 
-def serve(reply_fd: int) -> None:
-    """Run the cells requested on stdin until it ends."""
+def serve(reply_fd: int, main: Main) -> None:
+    """Run the cells requested on stdin with `main` until it ends."""
     with os.fdopen(reply_fd, "w") as replies:
         for line in sys.stdin:
             request = json.loads(line)
-            status = run_cell_here(request["argv"], request["log"])
+            status = run_cell_here(main, request["argv"], request["log"])
             replies.write(json.dumps({"status": status}) + "\n")
             replies.flush()
 
@@ -133,7 +139,7 @@ class CellProcess:
 
     def _start(self) -> None:
         read, write = os.pipe()
-        command = [sys.executable, "-m", "ako.experiments.cell_process", str(write)]
+        command = [sys.executable, "-m", "ako", SERVE, str(write)]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, text=True, env=self.env, pass_fds=(write,))
         os.close(write)
         self.replies = os.fdopen(read)
@@ -161,10 +167,3 @@ def end_process(process: subprocess.Popen, terminate: bool) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-
-
-if __name__ == "__main__":
-    try:
-        serve(int(sys.argv[1]))
-    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the sweep says it
-        pass

@@ -357,7 +357,10 @@ class _Buckets:
     (`Replica.buckets`) starts once backward has finished each of its tensors and buckets
     0..j-1 have started (every worker starts them in the same order); `finish` starts the rest
     (tensors backward did not reach) and waits for them all. `before_start` is called before
-    each start (a straggler's delay)."""
+    each start (a straggler's delay). `prescale` multiplies each bucket before its all-reduce
+    (the user's loop divides by n, as DDP does, so that `.grad` holds the mean)."""
+
+    prescale = 1.0
 
     def __init__(self, runtime: DistributedRuntime, replica, bucket_bytes: int):
         self.runtime, self.grad = runtime, replica.grad_and_slot
@@ -377,6 +380,8 @@ class _Buckets:
     def _start(self) -> None:
         self.before_start()
         lo, hi = self.spans[len(self.handles)]
+        if self.prescale != 1.0:
+            self.grad[lo:hi].mul_(self.prescale)
         self.handles.append(self.runtime.all_reduce(self.grad[lo:hi], wait=False))
 
     def finish(self) -> None:
