@@ -96,7 +96,7 @@ class FP4(Codec):
 
     def encode(self, x):
         blocks, absmax = _blocks(x)
-        magnitude = torch.bucketize(blocks.abs() / absmax[:, None], _E3M0_MIDPOINTS)  # nearest level, 0..7
+        magnitude = torch.bucketize(blocks.abs() / absmax[:, None], _E3M0_MIDPOINTS.to(x.device))  # nearest level, 0..7
         codes = (magnitude | (blocks < 0).to(torch.int64) << 3).view(-1)[: len(x)].to(torch.uint8)
         codes = torch.nn.functional.pad(codes, (0, len(codes) % 2))
         return torch.cat([absmax.view(torch.uint8), codes[0::2] | codes[1::2] << 4])
@@ -104,7 +104,7 @@ class FP4(Codec):
     def decode(self, payload, m):
         absmax, packed = _scales_and_codes(payload, m)
         codes = torch.stack([packed & 15, packed >> 4], dim=1).view(-1)[:m].long()
-        values = _E3M0[codes & 7] * (1 - 2 * (codes >> 3)).float()
+        values = _E3M0.to(payload.device)[codes & 7] * (1 - 2 * (codes >> 3)).float()
         return (torch.nn.functional.pad(values, (0, -m % BLOCK)).view(-1, BLOCK) * absmax[:, None]).view(-1)[:m]
 
     def nbytes(self, m):
@@ -118,9 +118,9 @@ class Residual:
     """Error feedback over a flat vector of `numel` values: e (numel,), what earlier encodings
     of each coordinate left out."""
 
-    def __init__(self, codec: Codec, numel: int):
+    def __init__(self, codec: Codec, numel: int, device: torch.device | str = "cpu"):
         self.codec = codec
-        self.error = torch.zeros(numel)
+        self.error = torch.zeros(numel, device=device)
 
     def encode(self, x: torch.Tensor, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Encode x + e[lo:lo+m] (x float32 (m,)); e keeps what the code left out. Returns the

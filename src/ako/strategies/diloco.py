@@ -166,7 +166,7 @@ def _worker(ctx, streaming: bool):
     offsets = [0]
     for ranges in p.fragments:
         offsets.append(offsets[-1] + sum(hi - lo for lo, hi in ranges))
-    mean = Mean(ctx.rank, n, CODECS[p.compress], replica.numel)
+    mean = Mean(ctx.rank, n, CODECS[p.compress], replica.numel, replica.params.device)
     t, stop, log = ctx.resumed_step, False, []
     inflight = None  # (due step, fragment, Pending)
     while not (stop or ctx.plan_done()):

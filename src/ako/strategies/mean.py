@@ -55,11 +55,11 @@ class Pending:
 
 class Mean:
     """The mean over the `n` workers of vectors given to `start`, with `codec` on the wire and,
-    for a lossy code, error feedback over `numel` coordinates (`residual`)."""
+    for a lossy code, error feedback over `numel` coordinates (`residual`, on `device`)."""
 
-    def __init__(self, rank: int, n: int, codec: Codec, numel: int):
+    def __init__(self, rank: int, n: int, codec: Codec, numel: int, device: torch.device | str = "cpu"):
         self.rank, self.n, self.codec = rank, n, codec
-        self.residual = Residual(codec, numel) if codec.lossy else None
+        self.residual = Residual(codec, numel, device) if codec.lossy else None
         self.seq = 0
 
     def start(self, x: torch.Tensor, lo: int, vote: bool):
@@ -68,7 +68,7 @@ class Mean:
         pending = Pending(self.seq, len(x), lo, votes=int(vote))
         self.seq += 1
         if self.residual is None:
-            buf = torch.empty(len(x) + 1)
+            buf = x.new_empty(len(x) + 1)
             buf[:-1], buf[-1] = x, float(vote)
             pending.handle = yield AllReduce(buf, "sum", wait=False)
             return pending
@@ -88,7 +88,7 @@ class Mean:
         if pending.handle is not None or pending.mine is not None:
             return
         a, b = chunks(pending.m, self.n)[self.rank]
-        total = torch.zeros(b - a)
+        total = pending.own.new_zeros(b - a)
         for j in range(self.n):
             if j == self.rank:
                 total.add_(pending.own)
@@ -116,7 +116,7 @@ class Mean:
             total = yield Wait(pending.handle)
             return total[:-1].div_(self.n), round(total[-1].item())
         yield from self.reduce(pending)
-        mean = torch.empty(pending.m)
+        mean = pending.mine.new_empty(pending.m)
         for j, (a, b) in enumerate(chunks(pending.m, self.n)):
             if j == self.rank:
                 mean[a:b] = pending.mine
