@@ -226,12 +226,6 @@ def check(config, numel: int) -> None:
                           "so that one fragment's sync ends before the next one's starts")  # fmt: skip
 
 
-def _compress_option(what: str) -> Option:
-    return Option(name="compress", help=f"how {what} travel{'s' if what.endswith('gradient') else ''}: none (float32), "
-                  "bf16, int8 (a scale per 128 values) or fp4 (E3M0, a scale per 128 values); the lossy ones with error "
-                  "feedback, summed in float32", choices=COMPRESSIONS)  # fmt: skip
-
-
 OUTER_OPTIONS = (
     Option(name="sync_every", help=f"H, inner steps between two syncs of the (each) fragment (default {SYNC_EVERY})",
            default=SYNC_EVERY, check=Integer("sync_every", 1, 1 << 30)),
@@ -239,7 +233,9 @@ OUTER_OPTIONS = (
            check=Number("outer_lr", 0.0, 100.0)),
     Option(name="outer_momentum", help=f"the outer optimizer's Nesterov momentum, 0 for none (default {OUTER_MOMENTUM})",
            default=OUTER_MOMENTUM, check=Number("outer_momentum", 0.0, 0.999)),
-    _compress_option("the pseudo-gradient"),
+    Option(name="compress", help="how the pseudo-gradient travels: none (float32), bf16, int8 (a scale per 128 values) "
+           "or fp4 (E3M0, a scale per 128 values); the lossy codes with error feedback, summed in float32",
+           choices=COMPRESSIONS),
 )  # fmt: skip
 
 DILOCO = Strategy(
