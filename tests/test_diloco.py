@@ -274,13 +274,16 @@ def test_the_bytes_on_the_wire_are_the_codes(tmp_path, compress):
             assert w["bytes_sent"] == 4 * per_sync, (w["bytes_sent"], per_sync)
 
 
-@pytest.mark.parametrize("compress", ["none", "int8"])
-def test_compressed_diloco_trains_alike_in_both_runtimes(tmp_path, compress):
-    config = small_config(tmp_path, strategy="streaming-diloco", epochs=1.0, sync_every=4, fragments=2,
-                          fragment_delay=1, compress=compress, **ADAMW)  # fmt: skip
+@pytest.mark.parametrize("compress,delay", [("none", 1), ("int8", 1), ("fp4", 2)])
+def test_compressed_streaming_is_alike_in_both_runtimes(tmp_path, compress, delay):
+    """3 workers, H = 6, P = 2: a sync every 3 steps, its mean overlapping tau steps (tau = 2:
+    the owners reduce after the first)."""
+    config = small_config(tmp_path, strategy="streaming-diloco", workers=3, train_samples=3 * 16 * 12, epochs=1.0,
+                          sync_every=6, fragments=2, fragment_delay=delay, compress=compress, **ADAMW)  # fmt: skip
     plain, simulated = both_runtimes(config)
     for a, b in zip(plain.workers, simulated.workers, strict=True):
         torch.testing.assert_close(b.params, a.params, rtol=0, atol=1e-5)
+        assert a.facts["sync_log"].tolist() == [[3, 0], [6, 1], [9, 0], [12, 1]]
 
 
 def test_options_outside_torchfts_constraints_are_refused(tmp_path):
