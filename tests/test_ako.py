@@ -387,3 +387,11 @@ def test_compressed_windows_send_the_codes_bytes(tmp_path, compress):
 def _boundaries(tmp_path):
     job = Job(small_config(tmp_path))
     return job.build_replica(job.load_data(), torch.device("cpu")).boundaries
+
+
+def test_auto_counts_the_codes_bytes(tmp_path):
+    """The same link budget asks for fewer partitions when the windows travel as int8."""
+    config = small_config(tmp_path, strategy="ako", workers=3, exchange="all-to-all", bandwidth="2MB", seconds_per_sample=1e-3)
+    plain = ako.simulate(config).summary["partitions"]
+    coded = ako.simulate(replace(config, compress="int8")).summary["partitions"]
+    assert coded < plain, (plain, coded)

@@ -498,7 +498,8 @@ def choose_plan(ctx):
     worst = torch.tensor([-step_time, -bandwidth], dtype=torch.float64)
     yield AllReduce(worst, "max")
     budget = Budget(-worst[1].item(), -worst[0].item(), "given" if given is not None else "measured", p_max(c.step_samples))
-    numel, grad_bytes = ctx.replica.numel, ctx.replica.grad_bytes
+    numel = ctx.replica.numel
+    grad_bytes = CODECS[c.compress].nbytes(numel)  # a window's bytes as they travel (`--compress`)
     if c.exchange != "auto":
         return c.exchange, *budget.partitions(c.exchange, n, grad_bytes, numel)
     p, reason = budget.partitions("all-to-all", n, grad_bytes, numel)
