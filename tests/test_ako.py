@@ -349,3 +349,49 @@ def test_partial_steps_keep_the_fast_workers_at_their_own_pace(tmp_path, exchang
     assert all(w["samples"] == steps * 16 for w in fast) and slow["samples"] <= steps * 16 / 2
     assert [w["samples_short"] for w in on["per_worker"]] == [0, 0, 0, steps * 16 - slow["samples"]]
     assert on["samples_short"] == steps * 16 - slow["samples"] and off["samples_short"] == 0
+
+
+@pytest.mark.parametrize("exchange,compress", [("all-to-all", "int8"), ("all-to-all", "fp4"), ("ring", "fp4")])
+def test_compressed_windows_lose_no_update(tmp_path, exchange, compress):
+    """What a window's code leaves out stays in the accumulator (all-to-all) or the mean's
+    residual (ring) and goes in the float32 flush: w_end = w_0 - lr/n x every gradient, as
+    uncompressed, with a straggler (partial steps)."""
+    _check_conservation(ako.simulate, tmp_path, exchange, 7, 1, seconds_per_sample=1e-3, bandwidth="5MB", compress=compress)
+
+
+def test_compressed_windows_on_real_processes_as_in_the_simulator(tmp_path):
+    config = small_config(tmp_path, strategy="ako", exchange="all-to-all", partitions=3, staleness=0, compress="int8", epochs=1.0)
+    real = ako.train(config)
+    simulated = ako.simulate(replace(config, seconds_per_sample=1e-3, bandwidth="10MB"))
+    for a, b in zip(real.workers, simulated.workers, strict=True):
+        torch.testing.assert_close(b.params, a.params, rtol=0, atol=1e-5)
+    plain = ako.train(replace(config, compress="none"))
+    for a, b in zip(real.workers, plain.workers, strict=True):
+        assert (a.params - b.params).abs().max() > 1e-6  # the code did change the path
+
+
+@pytest.mark.parametrize("compress", ["bf16", "int8", "fp4"])
+def test_compressed_windows_send_the_codes_bytes(tmp_path, compress):
+    """All-to-all, as `test_bytes_per_step_are_n_minus_1_windows_over_p` but each window in the
+    code's bytes; the flush stays float32."""
+    from ako.strategies.compress import CODECS
+
+    n, p = 3, 4
+    config = small_config(tmp_path, strategy="ako", workers=n, exchange="all-to-all", partitions=p, train_samples=3 * 16 * 8,
+                          epochs=1.0, compress=compress)  # fmt: skip
+    windows = sum(CODECS[compress].nbytes(hi - lo) for lo, hi in partition_bounds(NUMEL, p, _boundaries(tmp_path)))
+    for w in ako.simulate(replace(config, seconds_per_sample=1e-3, bandwidth="10MB")).summary["per_worker"]:
+        assert w["bytes_sent"] == 2 * (n - 1) * windows + (n - 1) * G + (n - 1)
+
+
+def _boundaries(tmp_path):
+    job = Job(small_config(tmp_path))
+    return job.build_replica(job.load_data(), torch.device("cpu")).boundaries
+
+
+def test_auto_counts_the_codes_bytes(tmp_path):
+    """The same link budget asks for fewer partitions when the windows travel as int8."""
+    config = small_config(tmp_path, strategy="ako", workers=3, exchange="all-to-all", bandwidth="2MB", seconds_per_sample=1e-3)
+    plain = ako.simulate(config).summary["partitions"]
+    coded = ako.simulate(replace(config, compress="int8")).summary["partitions"]
+    assert coded < plain, (plain, coded)

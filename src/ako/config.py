@@ -87,6 +87,14 @@ class TrainConfig:
     beta: float = 0.9  # easgd: moving rate; elastic alpha = beta / workers
     gossip: str = "pull"  # gossip: "pull" (average with a peer's snapshot) or "push-sum"
     peers: str = "random"  # gossip: peer selection, "random" or "rotating"
+    sync_every: int | None = None  # diloco, streaming-diloco: H, inner steps between syncs (default 100)
+    outer_lr: float | None = None  # diloco, streaming-diloco: the outer Nesterov SGD's learning rate (0.7)
+    outer_momentum: float | None = None  # diloco, streaming-diloco: its momentum (0.9)
+    fragments: int | None = None  # streaming-diloco: P, fragments synced in turn (4)
+    fragment_delay: int | None = None  # streaming-diloco: tau, steps a fragment's sync overlaps (1)
+    fragment_alpha: float | None = None  # streaming-diloco: alpha, the local fragment's share after a sync (0.5)
+    fragment_cut: str = "slices"  # streaming-diloco: "slices" of the flat vector or whole "modules"
+    compress: str = "none"  # diloco, streaming-diloco, ako: "none", "bf16", "int8" or "fp4" on the wire
     straggler: tuple[str, ...] = ()  # e.g. ("rank=1,factor=3", "prob=0.1,factor=2"); see ako.cluster
     timeout: float = 60.0  # seconds any wait may take before the run fails
     seed: int = 0

@@ -6,13 +6,13 @@ program for the parameter-server family, `ps/`), written against the operations 
 programs and its options; config, the CLI and `ako info` read it.
 """
 
-from ako.strategies import ako, allreduce, gossip
+from ako.strategies import ako, allreduce, diloco, gossip
 from ako.strategies.base import Option, ServerContext, Strategy, WorkerContext
 from ako.strategies.ps import absp, bsp, easgd, ssp
 
 STRATEGIES: dict[str, Strategy] = {
     s.name: s
-    for s in (ako.STRATEGY, allreduce.STRATEGY, gossip.STRATEGY, bsp.STRATEGY, ssp.SSP, ssp.ASP, absp.STRATEGY, easgd.STRATEGY)
+    for s in (ako.STRATEGY, allreduce.STRATEGY, diloco.DILOCO, diloco.STREAMING, gossip.STRATEGY, bsp.STRATEGY, ssp.SSP, ssp.ASP, absp.STRATEGY, easgd.STRATEGY)
 }
 
 __all__ = ["STRATEGIES", "Option", "ServerContext", "Strategy", "WorkerContext"]

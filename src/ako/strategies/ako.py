@@ -57,15 +57,17 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ako.checks import ConfigError, Integer
 from ako.strategies.base import Option, Strategy
+from ako.strategies.compress import CODECS, COMPRESSIONS, Codec
+from ako.strategies.mean import Mean
 from ako.strategies.micro_batch import check_micro_batch, default_micro_batch
 from ako.strategies.ops import (AllReduce, Compute, ComputePartial, MeasureBandwidth, MeasureStep, Message, PeerLost, Poll,
-                               Recv, Send, Wait)  # fmt: skip
+                               Recv, Send)  # fmt: skip
 from ako.strategies.partition import auto_partitions, partition_bounds
 from ako.strategies.tags import AKO_LOSS, AKO_PROGRESS, AKO_REPLICA, AKO_WINDOW
 
@@ -126,6 +128,18 @@ class LocalSteps:
         window = self.acc[lo:hi].clone()
         self.acc[lo:hi].zero_()
         return window
+
+    def take_coded(self, lo: int, hi: int, codec: Codec) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window A[lo:hi] as `codec`'s payload, and what that decodes to; what the code
+        left out stays in A (error feedback in Ako's own accumulator: it goes with the next
+        window of those coordinates, or the flush)."""
+        window = self.take(lo, hi)
+        if not codec.lossy:
+            return window, window
+        payload = codec.encode(window)
+        sent = codec.decode(payload, hi - lo)
+        self.acc[lo:hi].add_(window.sub_(sent))
+        return payload, sent
 
 
 class GradientSteps(LocalSteps):
@@ -199,15 +213,16 @@ class Pace:
 def _all_to_all(ctx, parts, s):
     n, replica = ctx.world_size, ctx.replica
     own = own_steps(ctx)
-    ledger = Ledger(ctx.peers, n, own.target, parts)
+    codec = CODECS[ctx.config.compress]
+    ledger = Ledger(ctx.peers, n, own.target, parts, codec)
     pace = Pace(ctx, s)
     t = 0
     while True:
         own.step((yield from pace.gradient(t, ledger.fastest(), AKO_WINDOW)))
         lo, hi = parts[t % len(parts)]
-        window = own.take(lo, hi)
+        payload, window = own.take_coded(lo, hi, codec)
         ledger.sent(t, lo, hi, window)
-        yield from send_to_peers(ctx, window, step=t, aux=t % len(parts))
+        yield from send_to_peers(ctx, payload, step=t, aux=t % len(parts))
         while ledger.slowest() < t - s:
             yield from receive(ledger, ledger.laggard())
         for message in (yield Poll(AKO_WINDOW)):
@@ -317,8 +332,8 @@ class Ledger:
     replica these corrections go into; `parts` the [lo, hi) of each partition.
     """
 
-    def __init__(self, peers: list[int], n: int, params: torch.Tensor, parts: list[tuple[int, int]]):
-        self.n, self.params, self.parts = n, params, parts
+    def __init__(self, peers: list[int], n: int, params: torch.Tensor, parts: list[tuple[int, int]], codec: Codec = CODECS["none"]):
+        self.n, self.params, self.parts, self.codec = n, params, parts, codec
         self.own: dict[int, _Entry] = {}  # step -> own window, until every peer has settled it
         self.pending: list[Message] = []
         self.last_step = {peer: -1 for peer in peers}  # the latest step heard from each live peer
@@ -336,7 +351,11 @@ class Ledger:
 
     def add(self, message: Message) -> None:
         """File a received window and note how far its sender has got (a flush: it is done,
-        and nothing waits for it any more)."""
+        and nothing waits for it any more). A window's payload is decoded (`codec`); the flush
+        travels in float32."""
+        if self.codec.lossy and message.aux != FLUSH:
+            lo, hi = self.parts[message.aux]
+            message = replace(message, tensor=self.codec.decode(message.tensor, hi - lo))
         self.pending.append(message)
         if message.aux == FLUSH:
             self.last_step.pop(message.src, None)
@@ -413,7 +432,8 @@ def _ring(ctx, parts, s):
     neighbour ahead is enough for a straggler to know it is behind."""
     n, replica = ctx.world_size, ctx.replica
     own = own_steps(ctx)
-    inflight: deque = deque()  # (lo, hi, own window, handle), oldest first
+    mean = Mean(ctx.rank, n, CODECS[ctx.config.compress], replica.numel, replica.params.device)
+    inflight: deque = deque()  # (lo, hi, own window, the mean under way), oldest first
     t, stop, heard = 0, False, -1
     pace = Pace(ctx, s)
     while not (stop or ctx.plan_done()):  # a vote to stop early lands s steps later; the plan's end is known to all
@@ -421,34 +441,34 @@ def _ring(ctx, parts, s):
             heard = max([heard] + [m.step for m in (yield Poll(AKO_PROGRESS))])
         own.step((yield from pace.gradient(t, heard, AKO_PROGRESS)))
         lo, hi = parts[t % len(parts)]
-        buf = replica.params.new_empty(hi - lo + 1)
-        buf[:-1], buf[-1] = own.take(lo, hi), float(ctx.stopping)
-        inflight.append((lo, hi, buf[:-1].clone(), (yield AllReduce(buf, "sum", wait=False))))
+        window = own.take(lo, hi)
+        inflight.append((lo, hi, window, (yield from mean.start(window, lo, ctx.stopping))))
         if pace.on:
             yield Send(_EMPTY, (ctx.rank - 1) % n, AKO_PROGRESS, step=t)
         t += 1
         while len(inflight) > s:
-            stop |= yield from _settle_ring(own.target, n, *inflight.popleft())
+            stop |= yield from _settle_ring(own.target, mean, *inflight.popleft())
         own.finish()
     while inflight:
-        yield from _settle_ring(own.target, n, *inflight.popleft())
+        yield from _settle_ring(own.target, mean, *inflight.popleft())
     unflushed = replica.params.clone() if ctx.rank == 0 else None
     if isinstance(own, GradientSteps):  # the replicas went through their own optimizer states: one mean
         total = yield AllReduce(replica.params.clone(), "sum")
         replica.params.copy_(total.div_(n))
         return t, unflushed
     window = own.take(0, replica.numel)
-    total = yield AllReduce(window.clone(), "sum")
+    owed = window.clone() if mean.residual is None else window + mean.residual.error  # what the codes left out goes too
+    total = yield AllReduce(owed, "sum")
     replica.params.add_(total.div_(n).sub_(window))
     return t, unflushed
 
 
-def _settle_ring(target: torch.Tensor, n: int, lo: int, hi: int, mine: torch.Tensor, handle):
-    """Wait for one step's all-reduce and swap the own window for the mean, in `target` (the
-    replica, or the gradient's corrections); returns the vote."""
-    total = yield Wait(handle)
-    target[lo:hi].add_(total[:-1].div_(n).sub_(mine))
-    return total[-1].item() > 0
+def _settle_ring(target: torch.Tensor, mean: Mean, lo: int, hi: int, mine: torch.Tensor, pending):
+    """Wait for one step's mean and swap the own window for it, in `target` (the replica, or
+    the gradient's corrections); returns the vote."""
+    m, votes = yield from mean.finish(pending)
+    target[lo:hi].add_(m.sub_(mine))
+    return votes > 0
 
 
 def check(config, numel: int) -> None:
@@ -478,7 +498,8 @@ def choose_plan(ctx):
     worst = torch.tensor([-step_time, -bandwidth], dtype=torch.float64)
     yield AllReduce(worst, "max")
     budget = Budget(-worst[1].item(), -worst[0].item(), "given" if given is not None else "measured", p_max(c.step_samples))
-    numel, grad_bytes = ctx.replica.numel, ctx.replica.grad_bytes
+    numel = ctx.replica.numel
+    grad_bytes = CODECS[c.compress].nbytes(numel)  # a window's bytes as they travel (`--compress`)
     if c.exchange != "auto":
         return c.exchange, *budget.partitions(c.exchange, n, grad_bytes, numel)
     p, reason = budget.partitions("all-to-all", n, grad_bytes, numel)
@@ -560,6 +581,9 @@ STRATEGY = Strategy(
                "(default batch-size / 4; a step's samples, batch-size x accumulate, turn them off)",
                default=default_micro_batch, check=check_micro_batch),
         Option(name="bandwidth", help="link budget of p = auto, e.g. 1Gbit or 100MB (default: measured)"),
+        Option(name="compress", help="how a window travels: none (float32), bf16, int8 (a scale per 128 values) or "
+               "fp4 (E3M0, a scale per 128 values); what a lossy code leaves out stays in the accumulator (all-to-all) or "
+               "a residual (ring) and goes later (error feedback); the final flush goes in float32", choices=COMPRESSIONS),
         Option(name="update", help="what a window carries: deltas (each worker's own optimizer steps), gradients "
                "(the optimizer steps on the gradient plus the peers' corrections: all-reduce at p = 1, s = 0 for any "
                "optimizer), or auto (deltas for sgd, gradients for the others)", choices=UPDATES),

@@ -10,7 +10,8 @@ An operation that meets a dead peer raises `PeerLost` inside the program, at the
 program may catch it, and if it does not, the worker fails with it. Other errors (a timeout)
 fail the worker.
 
-Tensors handed to `Send` and `AllReduce` are flat, contiguous float32 vectors. After a `Send`
+Tensors handed to `AllReduce` are flat, contiguous float32 vectors; those handed to `Send`
+are flat and contiguous, float32 or uint8 (a compressed payload, `compress.py`). After a `Send`
 the runtime owns the tensor until it is delivered: the program must not modify it (send a clone
 of a buffer it keeps using). A received tensor may be modified in place only when its sender
 sent it to that receiver alone: the simulated runtime does not copy messages, so the receivers

@@ -12,6 +12,8 @@ PS_PUSH = 10  # parameter servers: a worker's gradient (or update) shard
 PS_REPLY = 11  # parameter servers: a server's reply to a push: its parameter shard (easgd: the elastic difference)
 ABSP_STOP = 12  # A-BSP: "stop after your current micro-batch"
 EASGD_CENTRE = 13  # EASGD: the centre variable, to rank 0 at the end
+MEAN_SCATTER = 14  # a compressed mean (strategies/mean.py): a worker's chunk, to the chunk's owner
+MEAN_GATHER = 15  # a compressed mean: the owner's mean of its chunk, to every peer
 
 # the runtimes' own
 RUN_STOP = -1  # rank 0 reached the target accuracy: every worker stops
