@@ -180,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
         "run", help="run your own training script (ako.wrap) on N workers, as torchrun would",
         description="Start SCRIPT on N worker processes (and S servers), whose ako.wrap trains with the strategy; "
                     "a failed process is named in one line, and the others go on where the strategy survives a loss.",
+        allow_abbrev=False,  # the script's --out is its own, not an abbreviation of ours
     )  # fmt: skip
     _add_flags(run, {k: _FLAGS[k] for k in _RUN_FLAGS})
     _add_flags(run, {k: v for k, v in _FLAGS.items() if k in _strategy_flags() and k != "micro_batch"})
