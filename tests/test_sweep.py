@@ -113,6 +113,60 @@ def test_tiny_sweep_runs_resumes_and_reports(tmp_path, capsys):
     assert [r[:2] for r in table(text)[1:]] == [["2", "allreduce"], ["2", "bsp"], ["4", "allreduce"]]
 
 
+def test_a_language_model_sweep_reports_time_to_a_loss(tmp_path):
+    """A tiny gpt on text, target loss<=X: the table's times and final losses are the cells'
+    own, and the plots are named after the loss."""
+    words = "the quick brown fox jumps over a lazy dog".split()
+    text = tmp_path / "words.txt"
+    text.write_text("\n".join(" ".join(words[(i * 7 + j) % 9] for j in range(i % 5 + 3)) for i in range(300)))
+    file = tmp_path / "lm.toml"
+    file.write_text(textwrap.dedent(f"""
+        runtime = "simulate"
+        [base]
+        dataset = "text:{text}"
+        model = "gpt"
+        layers = 1
+        width = 16
+        heads = 2
+        context = 16
+        batch_size = 8
+        optimizer = "adamw"
+        lr = 1e-2
+        epochs = 0.5
+        eval_every = 0.125
+        seconds_per_sample = 0.001
+        workers = 2
+        [grid]
+        workers = [2, 3]
+        [[arm]]
+        name = "ako"
+        strategy = "ako"
+        [[arm]]
+        name = "allreduce"
+        strategy = "allreduce"
+        [report]
+        target = "loss<=2.9"
+        budget = 0.05
+    """))
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(file), "--out", str(out), "--jobs", "1", "--no-progress"]) == 0
+    assert main(["report", str(out)]) == 0
+    report_dir = out / "report"
+    assert sorted(p.name for p in report_dir.glob("*.png")) == [
+        "bytes-per-worker-vs-workers.png", "loss-at-budget-vs-workers.png", "loss-vs-time_workers=2.png",
+        "loss-vs-time_workers=3.png", "time-to-loss-vs-workers.png"]  # fmt: skip
+    rows = table((report_dir / "report.md").read_text())
+    assert rows[0][:4] == ["workers", "arm", "time to loss<=2.9 (s)", "final loss"]
+    for row in rows[1:]:
+        run_dir = next(out.glob(f"cells/arm={row[1]},workers={row[0]}/*/summary.json")).parent
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        reached = next(r["time"] for r in records if r.get("test_loss") is not None and r["test_loss"] <= 2.9)
+        assert reached > 0 and row[2] == _sig(reached)
+        assert row[3] == f"{json.loads((run_dir / 'summary.json').read_text())['test_loss']:.4f}"
+        at_budget = [r["test_loss"] for r in records if r.get("test_loss") is not None and r["time"] <= 0.05][-1]
+        assert row[4] == f"{at_budget:.4f}"
+
+
 def test_sweep_on_the_distributed_runtime(tmp_path):
     file = tmp_path / "real.toml"
     file.write_text(TINY.replace('runtime = "simulate"', 'runtime = "train"').replace('seconds_per_sample = 0.001\nbandwidth = "100Mbit"\n', "")

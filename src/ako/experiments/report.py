@@ -5,8 +5,10 @@ replica), final accuracy, accuracy at the sweep's time budget, samples/s, bytes 
 per second, each server's bytes in, and the speed-up over the `bsp` arm (paired by seed), as
 mean and standard deviation over the seeds. Plots, as the sweep's axes allow:
 
-- accuracy-vs-time: test accuracy against (virtual) training seconds, one line per arm;
-- time-to-accuracy-vs-workers, bytes-per-worker-vs-workers, accuracy-at-budget-vs-workers;
+- accuracy-vs-time: test accuracy (or the target's metric: loss-vs-time for a language
+  model's loss<=X) against (virtual) training seconds, one line per arm;
+- time-to-accuracy-vs-workers, bytes-per-worker-vs-workers, accuracy-at-budget-vs-workers
+  (named after the target's metric too);
 - speedup-vs-straggler: time to target of bsp divided by each arm's, against the straggler axis.
 """
 
@@ -282,12 +284,12 @@ def plots(sweep: Sweep, groups: list[Group], out: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     target, budget = target_of(sweep), sweep.report.get("budget")
-    files = _per_panel(sweep, groups, None, out, "accuracy-vs-time", _accuracy_vs_time)
+    files = _per_panel(sweep, groups, None, out, f"{target.metric}-vs-time", _accuracy_vs_time)
     if len(sweep.axes.get("workers", {})) > 1:
-        files += _per_panel(sweep, groups, "workers", out, "time-to-accuracy-vs-workers", _against("tta", f"seconds to {_goal(target)}", log=True))
+        files += _per_panel(sweep, groups, "workers", out, f"time-to-{target.metric}-vs-workers", _against("tta", f"seconds to {_goal(target)}", log=True))
         files += _per_panel(sweep, groups, "workers", out, "bytes-per-worker-vs-workers", _bytes_against)
         if budget is not None:
-            files += _per_panel(sweep, groups, "workers", out, "accuracy-at-budget-vs-workers", _against("budget_accuracy", f"test {target.metric} at {budget:g} s"))
+            files += _per_panel(sweep, groups, "workers", out, f"{target.metric}-at-budget-vs-workers", _against("budget_accuracy", f"test {target.metric} at {budget:g} s"))
     if "straggler" in sweep.axes and baseline_arm(sweep) is not None:
         ylabel = f"speed-up over {baseline_arm(sweep)} (time to {_goal(target)})"
         files += _per_panel(sweep, groups, "straggler", out, "speedup-vs-straggler", _against("speedup", ylabel, skip=baseline_arm(sweep), unity=True))
