@@ -267,10 +267,11 @@ def cmd_info() -> int:
     from ako.models import MODELS
 
     print(f"strategies: {', '.join(STRATEGIES)}")
+    width = max(map(len, REGISTRY))
     for name, strategy in REGISTRY.items():
         options = ", ".join("--" + o.name.replace("_", "-") for o in strategy.options)
         where = "optimizer on each server's shard (elementwise ones)" if strategy.optimizer_on == "servers" else "optimizer on the workers"
-        print(f"  {name:<10} {strategy.paper}; {where}" + (f"; options {options}" if options else ""))
+        print(f"  {name:<{width}} {strategy.paper}; {where}" + (f"; options {options}" if options else ""))
     print(f"optimizers: {', '.join(OPTIMIZERS)} (torch.optim); schedules: {', '.join(SCHEDULES)}")
     print(f"models:     {', '.join(MODELS)}, or your own as package.module:factory")
     for name in DATASETS:
