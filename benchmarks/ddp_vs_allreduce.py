@@ -38,7 +38,8 @@ SETTINGS = {  # model -> batch per worker, optimizer settings (TrainConfig's fie
 }
 
 
-def _optimizer(model_name: str, params):
+def optimizer_for(model_name: str, params) -> torch.optim.Optimizer:
+    """The benchmark's optimizer for `model_name` (SETTINGS) over `params`."""
     settings = SETTINGS[model_name][1]
     if settings["optimizer"] == "sgd":
         return torch.optim.SGD(params, lr=settings["lr"], momentum=settings["momentum"])
@@ -58,7 +59,7 @@ def reference_worker(model_name: str, dataset: str, steps: int) -> float:
     model = build_model(model_name, split.input_shape, split.num_classes)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
-    optimizer = _optimizer(model_name, model.parameters())
+    optimizer = optimizer_for(model_name, model.parameters())
     batch = SETTINGS[model_name][0]
     sampler = ShardSampler(len(split.train), rank, world, batch, seed=0)
     dist.barrier()

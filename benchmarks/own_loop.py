@@ -31,24 +31,12 @@ from ako.data import ShardSampler, fetch, load_dataset
 from ako.models import build_model
 from ako.replica import classification_loss, classification_metrics
 from ako.runtime.distributed.launcher import launch_function
-
-SETTINGS = {  # model -> batch per worker, optimizer settings (TrainConfig's fields)
-    "cnn": (64, dict(optimizer="sgd", lr=0.05, momentum=0.9, nesterov=False, weight_decay=0.0)),
-    "gpt": (16, dict(optimizer="adamw", lr=3e-3)),
-}
-
+from ddp_vs_allreduce import SETTINGS, optimizer_for  # the same settings as the DDP benchmark
 
 def _dataset(model_name: str) -> str:
     if model_name == "gpt":
         return "fortunes"
     return "fashion-mnist" if ako.data.find_data_dir("fashion-mnist") else "digits"
-
-
-def _optimizer(model_name: str, params):
-    settings = SETTINGS[model_name][1]
-    if settings["optimizer"] == "sgd":
-        return torch.optim.SGD(params, lr=settings["lr"], momentum=settings["momentum"])
-    return torch.optim.AdamW(params, lr=settings["lr"])
 
 
 def loop_worker(model_name: str, how: str, steps: int) -> dict:
@@ -59,7 +47,7 @@ def loop_worker(model_name: str, how: str, steps: int) -> dict:
     split = load_dataset(_dataset(model_name))
     torch.manual_seed(0)
     model = build_model(model_name, split.input_shape, split.num_classes)
-    optimizer = _optimizer(model_name, model.parameters())
+    optimizer = optimizer_for(model_name, model.parameters())
     batch = SETTINGS[model_name][0]
     sampler = ShardSampler(len(split.train), rank, world, batch, seed=0)
     if how == "ddp":
