@@ -1,14 +1,18 @@
 """What every peer arm of `benchmarks/peers.py` shares with ako's own runs: the cnn on
-Fashion-MNIST, initialised from the seed as `ako train` initialises it; the same shards and
-mini-batches (`ako.data.ShardSampler`); ako's default optimizer (SGD, lr 0.1 of the averaged
-gradient, Nesterov momentum 0.9, weight decay 5e-4); the same straggler (a worker that sleeps
+Fashion-MNIST (or, with `--model gpt`, the gpt on Debian's fortunes), initialised from the seed
+as `ako train` initialises it; the same shards and mini-batches (`ako.data.ShardSampler`); ako's
+default optimizer for the cnn (SGD, lr 0.1 of the averaged gradient, Nesterov momentum 0.9,
+weight decay 5e-4) and the language model's recipe for the gpt (AdamW at `--lr`, torch's
+defaults otherwise, 20 warm-up steps and a cosine over the run, as `ako.optim.schedule` makes
+them; the arm steps the schedule after each optimizer step); the same straggler (a worker that sleeps
 (factor - 1) times its forward+backward time each step, as `ako train --straggler` does; a
 peer's backward holds its communication, so the forward+backward time is this step's forward
 time x the ratio of forward+backward to forward measured before training, and the sleep falls
 between forward and backward, so that the peer's communication waits for it as for a slow
 machine's);
 and the same evaluation (every worker snapshots its replica every `--eval-every` epochs;
-rank 0's snapshots are evaluated on the test set after training, so that evaluating does not
+rank 0's snapshots are evaluated on the test set (the gpt: the first 256 validation sequences,
+loss per character) after training, so that evaluating does not
 slow training, and `average_records` evaluates the replicas' average from every rank's).
 
 A peer arm is a script that each worker process runs (under torchrun, or as the peer's own
@@ -30,6 +34,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +42,23 @@ import torch.nn.functional as F
 from ako.data import ShardSampler, fetch, load_dataset
 from ako.metrics import write_atomic
 from ako.models import build_model
+from ako.optim import schedule
 
-DATASET = "fashion-mnist"
+DATASETS = {"cnn": "fashion-mnist", "gpt": "fortunes"}  # --model -> its data set
+LM_TEST_SAMPLES = 256  # validation sequences, as ako train evaluates a language model
+LM_WARMUP = "20"  # the language model's warm-up steps (docs/training.md's recipe)
+
+
+def load_split(model_name: str, train_samples=None, test_samples=None):
+    """The data set of `model_name` (DATASETS): ako's DataSplit."""
+    if model_name == "gpt" and test_samples is None:
+        test_samples = LM_TEST_SAMPLES
+    return load_dataset(DATASETS[model_name], train_samples=train_samples, test_samples=test_samples)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags every arm takes (peers.py passes the same values to every arm and to ako)."""
+    parser.add_argument("--model", choices=sorted(DATASETS), default="cnn")
     parser.add_argument("--epochs", type=float, default=2.0)
     parser.add_argument("--batch-size", type=int, default=64, help="per worker")
     parser.add_argument("--lr", type=float, default=0.1)
@@ -71,9 +87,9 @@ class Trainer:
     def __init__(self, args, rank: int, world: int):
         torch.set_num_threads(1)
         self.args, self.rank, self.world = args, rank, world
-        self.split = load_dataset(DATASET, train_samples=args.train_samples, test_samples=args.test_samples)
+        self.split = load_split(args.model, args.train_samples, args.test_samples)
         torch.manual_seed(args.seed)  # as ako.run.job.Job.build_model
-        self.model = build_model("cnn", self.split.input_shape, self.split.num_classes)
+        self.model = build_model(args.model, self.split.input_shape, self.split.num_classes)
         self.sampler = ShardSampler(len(self.split.train), rank, world, args.batch_size, args.seed)
         self.steps = max(1, round(args.epochs * self.sampler.steps_per_epoch))
         self.snapshot_every = max(1, round(args.eval_every * self.sampler.steps_per_epoch))
@@ -84,19 +100,32 @@ class Trainer:
         self.start = time.perf_counter()
 
     def optimizer(self, params=None) -> torch.optim.Optimizer:
-        """ako's default optimizer for `params` (default: the model's)."""
+        """The model's optimizer (ako's default for the cnn, AdamW for the gpt) for `params`
+        (default: the model's)."""
         params = self.model.parameters() if params is None else params
+        if self.args.model == "gpt":
+            return torch.optim.AdamW(params, lr=self.args.lr)
         return torch.optim.SGD(params, lr=self.args.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
 
+    def scheduler(self, optimizer: torch.optim.Optimizer):
+        """The gpt's warm-up and cosine over this run's steps, for `optimizer`; None for the cnn
+        (a constant rate)."""
+        if self.args.model != "gpt":
+            return None
+        return schedule(optimizer, SimpleNamespace(epochs=self.args.epochs, warmup=LM_WARMUP, lr_schedule="cosine"),
+                        self.steps)  # fmt: skip
+
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Step `step`'s mini-batch of this worker: images (B, 1, 28, 28), labels (B,)."""
+        """Step `step`'s mini-batch of this worker: images (B, 1, 28, 28) and labels (B,), or
+        token ids (B, T) and next tokens (B, T)."""
         return fetch(self.split.train, self.sampler.batch(step))
 
     def loss(self, model, step: int) -> torch.Tensor:
-        """Forward: the mean cross-entropy of step `step`'s mini-batch (its time in `forward_seconds`)."""
+        """Forward: the mean cross-entropy (per token for the gpt) of step `step`'s mini-batch
+        (its time in `forward_seconds`)."""
         x, y = self.batch(step)
         start = time.perf_counter()
-        loss = F.cross_entropy(model(x), y)
+        loss = cross_entropy(model(x), y)
         self.forward_seconds = time.perf_counter() - start
         return loss
 
@@ -112,7 +141,7 @@ class Trainer:
         for step in range(repeats + 1):
             x, y = self.batch(step)
             start = time.perf_counter()
-            loss = F.cross_entropy(model(x), y)
+            loss = cross_entropy(model(x), y)
             forward = time.perf_counter() - start
             loss.backward()
             ratios.append((time.perf_counter() - start) / forward)
@@ -150,7 +179,7 @@ class Trainer:
                             "samples": step * self.world * self.args.batch_size, **evaluate(model, self.split.test)})  # fmt: skip
         torch.save([(at, params) for at, _, params in self.snapshots], Path(f"{self.args.out}.rank0.pt"))
         result = {
-            "arm": arm, "workers": self.world, "steps": self.steps, "records": records,
+            "arm": arm, "model": self.args.model, "workers": self.world, "steps": self.steps, "records": records,
             "train_seconds": round(seconds, 3),
             "samples_per_second": self.steps * self.world * self.args.batch_size / seconds,
             "bytes_sent_per_worker_per_second": None if bytes_sent is None else bytes_sent / seconds,
@@ -160,18 +189,25 @@ class Trainer:
         return result
 
 
+def cross_entropy(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of logits (B, classes) against labels (B,), or of a language model's
+    (B, T, vocabulary) against next tokens (B, T), per token."""
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)
+
+
 @torch.no_grad()
-def evaluate(model, test_set, batch_size: int = 1000) -> dict:
-    """Mean test loss and accuracy of `model` over `test_set`."""
+def evaluate(model, test_set, batch_size: int = 256) -> dict:
+    """Mean test loss (per sample, or per token) and accuracy of `model` over `test_set`."""
     model.eval()
-    loss = correct = 0.0
+    loss = correct = count = 0.0
     for idx in torch.arange(len(test_set)).split(batch_size):
         x, y = fetch(test_set, idx)
         logits = model(x)
-        loss += F.cross_entropy(logits, y, reduction="sum").item()
-        correct += (logits.argmax(1) == y).sum().item()
+        loss += cross_entropy(logits, y, reduction="sum").item()
+        correct += (logits.argmax(-1) == y).sum().item()
+        count += y.numel()
     model.train()
-    return {"loss": loss / len(test_set), "accuracy": correct / len(test_set)}
+    return {"loss": loss / count, "accuracy": correct / count}
 
 
 def average_records(out: Path, records: list[dict], workers: int) -> list[dict] | None:
@@ -184,9 +220,10 @@ def average_records(out: Path, records: list[dict], workers: int) -> list[dict] 
     if not all(f.exists() for f in files):
         return None
     ranks = [torch.load(f) for f in files]
-    split = load_dataset(DATASET)
+    model_name = json.loads(out.read_text()).get("model", "cnn")
+    split = load_split(model_name)
     torch.manual_seed(0)
-    model = build_model("cnn", split.input_shape, split.num_classes)
+    model = build_model(model_name, split.input_shape, split.num_classes)
     averaged = []
     for k, record in enumerate(records):
         torch.nn.utils.vector_to_parameters(torch.stack([r[k][1] for r in ranks]).mean(0), model.parameters())
@@ -200,6 +237,8 @@ def env_rank() -> tuple[int, int]:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-def time_to(records: list[dict], level: float) -> float | None:
-    """Training seconds of the first record at or above `level` accuracy (None: never)."""
-    return next((r["seconds"] for r in records if r["accuracy"] >= level), None)
+def time_to(records: list[dict], level: float, metric: str = "accuracy") -> float | None:
+    """Training seconds of the first record at or past `level`: at or above it for accuracy,
+    at or below it for the loss (None: never)."""
+    passed = (lambda v: v <= level) if metric == "loss" else (lambda v: v >= level)
+    return next((r["seconds"] for r in records if passed(r[metric])), None)

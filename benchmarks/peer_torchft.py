@@ -1,6 +1,13 @@
 """Peer arm `torchft`: torchft 0.2.0's fault-tolerant LocalSGD (`torchft.local_sgd.LocalSGD`
 under a `torchft.Manager`, a `ProcessGroupGloo` and a lighthouse), one process per worker, each
-worker its own replica group of size 1, as torchft's LocalSGD example runs it.
+worker its own replica group of size 1, as torchft's LocalSGD example runs it. With
+`--algorithm diloco` or `streaming-diloco`, torchft's `DiLoCo` (arms `torchft-diloco` and
+`torchft-streaming-diloco`) in its place: the run's optimizer as the inner one, an outer SGD
+with Nesterov momentum (`--outer-lr` 0.7, `--outer-momentum` 0.9) per fragment, `--sync-every`
+H, and for streaming `--fragments` P of whole modules cut as ako's `--fragment-cut modules`
+cuts them (unit u in fragment u mod P), `--fragment-delay` tau and `--fragment-alpha`; the
+Manager with a synchronous quorum, as DiLoCo requires. Against ako's `diloco` and
+`streaming-diloco` with the same settings this checks that ours is the algorithm.
 
 Every worker process is started with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as torchrun
 sets them), on one machine (127.0.0.1) or one per host. Rank 0 hosts a `torch.distributed.TCPStore`
@@ -64,6 +71,7 @@ Manager failed), with one line naming the error.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -79,10 +87,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peer_launch import (DEAD_AFTER, ENDING, Arm, CannotRun, Watchdog, hard_exit, join, leave,
                          loss_went_down, start_or_exit, verdict, wait_for)  # fmt: skip
 
+ALGORITHMS = ("localsgd", "diloco", "streaming-diloco")
+
+
+def own_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--algorithm", choices=ALGORITHMS, default="localsgd",
+                   help="torchft's LocalSGD (default), or its DiLoCo with one fragment or with --fragments")  # fmt: skip
+
+
 ARM = Arm(
-    "torchft", library="torchft", doc=__doc__,
+    "torchft", library="torchft", doc=__doc__, own_arguments=own_arguments,
     settings={"sync_every": 8, "quorum_tick_ms": 100, "join_timeout_ms": 10000, "heartbeat_timeout_ms": 5000,
-              "pg_timeout": 10.0},
+              "pg_timeout": 10.0, "fragments": 1, "fragment_delay": 0, "fragment_alpha": 0.0, "outer_lr": 0.7,
+              "outer_momentum": 0.9},
     # --check: 2 workers, 2 epochs of 4096 samples (64 steps each, 8 syncs), a small test set and
     # one snapshot an epoch.
     check={"workers": 2, "train_samples": 4096, "epochs": 2.0, "test_samples": 1000, "eval_every": 1.0},
@@ -106,9 +123,43 @@ def interface_of(address: str) -> str | None:
     return None
 
 
+def arm_name(args) -> str:
+    """The result's arm: torchft (LocalSGD), torchft-diloco or torchft-streaming-diloco."""
+    return "torchft" if args.algorithm == "localsgd" else f"torchft-{args.algorithm}"
+
+
+def module_fragments(model, p: int) -> list:
+    """`p` fragments of `model` (torch.nn.ModuleList each) of whole modules, as ako's
+    `--fragment-cut modules` cuts the flat vector: the model's units in order, unit u in
+    fragment u mod p (`ako.strategies.diloco.module_units`)."""
+    import torch
+    from ako.strategies.diloco import module_units
+
+    units = list(module_units(model))
+    if len(units) < p:
+        raise ValueError(f"fragments {p}: the model has only {len(units)} modules ({', '.join(units)})")
+    return [torch.nn.ModuleList([model.get_submodule(u) for u in units[k::p]]) for k in range(p)]
+
+
+def synchronisation(args, manager, model, optimizer):
+    """torchft's LocalSGD or DiLoCo (per --algorithm) over `optimizer`'s step."""
+    import torch
+    from torchft.local_sgd import DiLoCo, LocalSGD
+
+    if args.algorithm == "localsgd":
+        return LocalSGD(manager, model, optimizer, sync_every=args.sync_every)
+    fragments = module_fragments(model, args.fragments if args.algorithm == "streaming-diloco" else 1)
+    outer = [torch.optim.SGD(f.parameters(), lr=args.outer_lr, momentum=args.outer_momentum, nesterov=True)
+             for f in fragments]  # fmt: skip
+    streaming = args.algorithm == "streaming-diloco"
+    return DiLoCo(manager, fragments, optimizer, outer, sync_every=args.sync_every,
+                  fragment_sync_delay=args.fragment_delay if streaming else 0,
+                  fragment_update_alpha=args.fragment_alpha if streaming else 0.0)  # fmt: skip
+
+
 def start(args, rank: int, world: int, watchdog: Watchdog):
-    """Store, trainer, lighthouse (rank 0), Manager and LocalSGD; raises CannotRun if any of them
-    cannot start."""
+    """Store, trainer, lighthouse (rank 0), Manager and the synchronisation (LocalSGD or
+    DiLoCo); raises CannotRun if any of them cannot start."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and manager log every quorum at info
     try:
         import torch
@@ -117,7 +168,6 @@ def start(args, rank: int, world: int, watchdog: Watchdog):
         from torchft import Manager, ProcessGroupGloo
         from torchft.checkpointing.pg_transport import PGTransport
         from torchft.coordination import LighthouseServer
-        from torchft.local_sgd import LocalSGD
         import peer_common
     except Exception as e:  # any import failure means: cannot run here
         raise CannotRun(f"import failed: {type(e).__name__}: {e}") from e
@@ -162,12 +212,24 @@ def start(args, rank: int, world: int, watchdog: Watchdog):
             checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=args.timeout), device=torch.device("cpu")),
             timeout=timedelta(seconds=30), quorum_timeout=timedelta(seconds=args.timeout),
             connect_timeout=timedelta(seconds=10), init_sync=False,
+            use_async_quorum=args.algorithm == "localsgd",  # DiLoCo needs a synchronous quorum
         )  # fmt: skip
         sent = count_allreduce_bytes(manager)
-        local_sgd = LocalSGD(manager, model, optimizer, sync_every=args.sync_every)
+        local_sgd = synchronisation(args, manager, model, optimizer)
     except Exception as e:
         raise CannotRun(f"start failed: {type(e).__name__}: {e}") from e
     return torch, torchft, store, trainer, lighthouse, group_store, manager, optimizer, local_sgd, sent
+
+
+def settings(args) -> str:
+    """The arm's settings in one line (the table's last column)."""
+    group = f"replica groups of 1, Gloo, lighthouse tick {args.quorum_tick_ms} ms"
+    if args.algorithm == "localsgd":
+        return f"LocalSGD sync_every {args.sync_every}, {group}"
+    fragments = (f", {args.fragments} module fragments, delay {args.fragment_delay}, alpha {args.fragment_alpha:g}"
+                 if args.algorithm == "streaming-diloco" else "")  # fmt: skip
+    return (f"DiLoCo H {args.sync_every}, outer lr {args.outer_lr:g} momentum {args.outer_momentum:g}"
+            f"{fragments}, {group}")  # fmt: skip
 
 
 def count_allreduce_bytes(manager) -> list[int]:
@@ -198,13 +260,16 @@ def run_worker(args) -> int:
         startup = time.perf_counter() - START
         trainer.begin()
         model, losses = trainer.model, []
+        scheduler = trainer.scheduler(optimizer)
         with local_sgd:
             for step in range(trainer.steps):
                 optimizer.zero_grad()
                 loss = trainer.loss(model, step)
                 trainer.straggle()  # the straggler's sleep, between forward and backward
                 loss.backward()
-                optimizer.step()  # LocalSGD's hook: every sync_every steps, quorum + averaging
+                optimizer.step()  # LocalSGD's or DiLoCo's hook: every sync_every steps, quorum + sync
+                if scheduler is not None:
+                    scheduler.step()
                 losses.append(loss.item())
                 trainer.after_step(step + 1)
                 watchdog.beat(f"step {step + 1}")
@@ -225,13 +290,14 @@ def run_worker(args) -> int:
     done, gone = wait_for(store, "done", world, args.timeout)
     sent_all = [json.loads(v) for v in done.values()]
     down, first, last = loss_went_down(losses)
-    syncs, due = manager.current_step(), trainer.steps // args.sync_every
+    per_sync = args.sync_every // (args.fragments if args.algorithm == "streaming-diloco" else 1)  # a fragment's
+    syncs, due = manager.current_step(), trainer.steps // per_sync
     facts = {
         "library": f"torchft {version('torchft')}", "torch": torch.__version__,
-        "optimizer": "torchft.local_sgd.LocalSGD over ako's SGD", "sync_every": args.sync_every,
-        "settings": f"LocalSGD sync_every {args.sync_every}, replica groups of 1, Gloo, lighthouse tick {args.quorum_tick_ms} ms",
+        "optimizer": f"torchft.local_sgd.{type(local_sgd).__name__} over {type(optimizer).__name__}",
+        "sync_every": args.sync_every, "settings": settings(args),
         "replica_groups": world, "replica_group_size": 1, "process_group": "torchft.ProcessGroupGloo",
-        "pg_timeout": args.pg_timeout, "min_replica_size": 1, "init_sync": False, "use_async_quorum": True,
+        "pg_timeout": args.pg_timeout, "min_replica_size": 1, "init_sync": False, "use_async_quorum": args.algorithm == "localsgd",
         "checkpoint_transport": "PGTransport",
         "lighthouse": {"min_replicas": 1, "quorum_tick_ms": args.quorum_tick_ms, "join_timeout_ms": args.join_timeout_ms,
                        "heartbeat_timeout_ms": args.heartbeat_timeout_ms, "started_by": "rank 0 (torchft.coordination.LighthouseServer)"},
@@ -244,7 +310,7 @@ def run_worker(args) -> int:
     }  # fmt: skip
     watchdog.beat("evaluating rank 0's snapshots")
     mean_sent = round(sum(sent_all) / len(sent_all)) if sent_all else None
-    result = trainer.finish(ARM.name, mean_sent, facts=facts) if args.out else None
+    result = trainer.finish(arm_name(args), mean_sent, facts=facts) if args.out else None
     code = verdict(PREFIX, args.check, (down, first, last), syncs, f"{syncs} of {due} syncs committed", result,
                    trainer.steps, world, gone)  # fmt: skip
     watchdog.beat("waiting for the other workers to close")

@@ -1,6 +1,8 @@
 """ako against what users would pick instead, side by side in one run: the same cnn on
 Fashion-MNIST, per-worker batch 64, SGD at lr 0.1 (Nesterov momentum 0.9, weight decay 5e-4),
-seed and shards (`peer_common.py`), the same number of workers, 2 epochs each.
+seed and shards (`peer_common.py`), the same number of workers, 2 epochs each. With `--model
+gpt`: the gpt on Debian's fortunes, batch 16 a worker, AdamW at lr 3e-3 with 20 warm-up steps and
+a cosine, and time to a validation loss (`--target`, default 2.3 nats per character).
 
 Arms: ako's `ako`, `allreduce` and `gossip` (`ako train`, defaults), and the peers, each run as
 its documentation shows it: PyTorch DDP plain, with PowerSGD (rank 1 and 4) and post-local SGD
@@ -22,6 +24,14 @@ the best peer's. Medians over `--seeds`.
 
     .venv/bin/python benchmarks/peers.py [--settings loopback,netcluster,straggler] [--seeds 1]
         [--arms ako,allreduce,...] [--workers 4] [--epochs 2] [--rate 100mbit] [--factor 3]
+        [--model gpt] [--target 2.3] [--sync-every 100] [--fragments 4] [--fragment-delay 1]
+
+DiLoCo against torchft's, as the check that ours is the algorithm: the arms `diloco` and
+`streaming-diloco` (`ako train`) and `torchft-diloco` and `torchft-streaming-diloco` (torchft
+0.2.0's `DiLoCo`) take the same H (`--sync-every`), outer SGD (lr 0.7, Nesterov momentum 0.9),
+and for streaming the same `--fragments` of whole modules (ako's `--fragment-cut modules`),
+`--fragment-delay` and `--fragment-alpha` (defaults: ako's, but P = 2 on the cnn, which has
+3 modules). Not among the default arms (--arms names them).
 """
 
 from __future__ import annotations
@@ -38,17 +48,41 @@ import time
 from pathlib import Path
 
 from peer_common import average_records, time_to
+from run_records import latest_run
+from run_records import time_to as run_time_to
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-AKO_ARMS = ("ako", "allreduce", "gossip")
+AKO_ARMS = ("ako", "allreduce", "gossip", "diloco", "streaming-diloco")
 TORCH_ARMS = ("ddp", "powersgd-r1", "powersgd-r4", "post-local-sgd")
-VENV_ARMS = {"hivemind": "peer_hivemind.py", "torchft": "peer_torchft.py"}
+VENV_ARMS = {"hivemind": "peer_hivemind.py", "torchft": "peer_torchft.py", "torchft-diloco": "peer_torchft.py",
+             "torchft-streaming-diloco": "peer_torchft.py"}  # fmt: skip
 ARMS = AKO_ARMS + TORCH_ARMS + tuple(VENV_ARMS)
+DEFAULT_ARMS = ("ako", "allreduce", "gossip", *TORCH_ARMS, "hivemind", "torchft")
 PEERS = TORCH_ARMS + tuple(VENV_ARMS)
 SYNCHRONOUS = ("ddp", "powersgd-r1", "powersgd-r4")  # their replicas are equal: the average is rank 0's
 LEVEL = 0.85
 NETCLUSTER = ROOT / "scripts" / "netcluster"
+WORKLOADS = {  # --model -> ako train's flags, the peers' flags, the target's metric and default
+    "cnn": (["--dataset", "fashion-mnist", "--batch-size", "64", "--lr", "0.1"], [], "accuracy", LEVEL),
+    "gpt": (["--dataset", "fortunes", "--model", "gpt", "--batch-size", "16", "--optimizer", "adamw", "--lr", "3e-3",
+             "--warmup", "20", "--lr-schedule", "cosine"], ["--model", "gpt", "--batch-size", "16", "--lr", "3e-3"],
+            "loss", 2.3),
+}  # fmt: skip
+
+
+def diloco_flags(arm: str, args, ako: bool) -> list[str]:
+    """The DiLoCo arms' settings, the same for ako's and torchft's; [] for other arms."""
+    streaming = arm.endswith("streaming-diloco")
+    if not arm.endswith("diloco"):
+        return []
+    flags = ["--sync-every", str(args.sync_every), "--outer-lr", "0.7", "--outer-momentum", "0.9"]
+    if streaming:
+        flags += ["--fragments", str(args.fragments), "--fragment-delay", str(args.fragment_delay),
+                  "--fragment-alpha", str(args.fragment_alpha), *(["--fragment-cut", "modules"] if ako else [])]  # fmt: skip
+    if not ako:
+        flags += ["--algorithm", arm.removeprefix("torchft-")]
+    return flags
 
 
 def free_port() -> int:
@@ -67,14 +101,16 @@ def command(arm: str, args, setting: str, seed: int, out: Path) -> tuple[list[st
     straggler = setting == "straggler"
     common = common_args(args, seed, straggler)
     n = args.workers
+    ako_flags, peer_flags = WORKLOADS[args.model][:2]
     if arm in AKO_ARMS:
-        program = ["--strategy", arm, "--workers", str(n), "--dataset", "fashion-mnist", "--batch-size", "64",
-                   "--lr", "0.1", *common, "--out-dir", str(out), "--no-progress"]  # fmt: skip
+        program = ["--strategy", arm, "--workers", str(n), *ako_flags, *diloco_flags(arm, args, True), *common,
+                   "--out-dir", str(out), "--no-progress"]  # fmt: skip
         if setting == "loopback":
             return [sys.executable, "-m", "ako", "train", *program], {}
         return [*netcluster(args), "--", *program], {}
     script = HERE / ("peer_torch.py" if arm in TORCH_ARMS else VENV_ARMS[arm])
-    program = [*(["--arm", arm] if arm in TORCH_ARMS else []), *common, "--out", str(out / "result.json")]
+    program = [*(["--arm", arm] if arm in TORCH_ARMS else []), *peer_flags, *diloco_flags(arm, args, False), *common,
+               "--out", str(out / "result.json")]  # fmt: skip
     python = sys.executable if arm in TORCH_ARMS else str(args.peers_venv / "bin" / "python")
     if setting != "loopback":
         launcher = "torchrun" if arm in TORCH_ARMS else "env"
@@ -113,19 +149,23 @@ def launch(cmd: list[str], env: dict, workers: int, log, timeout: float) -> int:
                 p.wait()
 
 
-def result_of(arm: str, out: Path) -> dict:
-    """The arm's figures: tta, accuracy, samples/s, payload B/s per worker, train seconds."""
+def result_of(arm: str, out: Path, args) -> dict:
+    """The arm's figures: tta (time to the target), the metric at the end ("final"), samples/s,
+    payload B/s per worker, train seconds."""
+    metric, target = WORKLOADS[args.model][2], args.target
     if arm in AKO_ARMS:
-        s = json.loads(max(out.glob("*/summary.json"), key=lambda p: p.stat().st_mtime).read_text())
-        average = (s.get("average_time_to_accuracy") or s["time_to_accuracy"]).get(str(LEVEL))
-        return {"tta": s["time_to_accuracy"].get(str(LEVEL)), "average_tta": average, "accuracy": s["test_accuracy"],
-                "samples_per_second": s["samples_per_second"], "payload": s["bytes_sent_per_worker_per_second"],
-                "train_seconds": s["train_seconds"], "note": s.get("partitions_reason", "")}  # fmt: skip
+        s, records = latest_run(out)
+        tta = run_time_to(records, f"test_{metric}", target)
+        differ = f"average_{metric}" in records[-1]  # the replicas differ: their average is evaluated too
+        return {"tta": tta, "average_tta": run_time_to(records, f"average_{metric}", target) if differ else tta,
+                "final": s[f"test_{metric}"], "samples_per_second": s["samples_per_second"],
+                "payload": s["bytes_sent_per_worker_per_second"], "train_seconds": s["train_seconds"],
+                "note": s.get("partitions_reason", "")}  # fmt: skip
     r = json.loads((out / "result.json").read_text())
     records = r["records"]
     averaged = records if arm in SYNCHRONOUS else average_records(out / "result.json", records, r["workers"])
-    return {"tta": time_to(records, LEVEL), "average_tta": averaged and time_to(averaged, LEVEL),
-            "accuracy": records[-1]["accuracy"], "samples_per_second": r["samples_per_second"],
+    return {"tta": time_to(records, target, metric), "average_tta": averaged and time_to(averaged, target, metric),
+            "final": records[-1][metric], "samples_per_second": r["samples_per_second"],
             "payload": r["bytes_sent_per_worker_per_second"], "train_seconds": r["train_seconds"],
             "note": str(r.get("settings", ""))}  # fmt: skip
 
@@ -139,12 +179,12 @@ def run_arm(arm: str, args, setting: str, seed: int) -> dict | None:
         tail = (out / "log.txt").read_text().strip().splitlines()[-1:] or [""]
         print(f"  {arm} ({setting}, seed {seed}) failed with status {code}: {tail[0][:200]} (log {out / 'log.txt'})")
         return None
-    result = result_of(arm, out)
+    result = result_of(arm, out, args)
     if setting != "loopback" and args.stats_file.exists():
         hosts = json.loads(args.stats_file.read_text())
         result["wire"] = statistics.mean(h["tx"]["bytes"] for h in hosts.values()) / result["train_seconds"]
-    print(f"  {arm:<15} {setting:<10} seed {seed}: time to 85% {fmt(result['average_tta'])} (replicas' average), "
-          f"{fmt(result['tta'])} (rank 0), accuracy {result['accuracy']:.4f}, "
+    print(f"  {arm:<24} {setting:<10} seed {seed}: time to {args.target:g} {fmt(result['average_tta'])} (replicas' average), "
+          f"{fmt(result['tta'])} (rank 0), {WORKLOADS[args.model][2]} {result['final']:.4f}, "
           f"{result['samples_per_second']:.0f} samples/s", flush=True)  # fmt: skip
     return result
 
@@ -163,7 +203,10 @@ def venv_arms_that_run(args) -> list[str]:
     running = []
     for arm in wanted:
         out = Path(tempfile.mkdtemp(prefix=f"{arm}-check-", dir=args.out_dir))
-        cmd = [str(args.peers_venv / "bin" / "python"), str(HERE / VENV_ARMS[arm]), "--check", "--out", str(out / "result.json")]
+        algorithm = ["--algorithm", arm.removeprefix("torchft-")] if arm.endswith("diloco") else []
+        algorithm += ["--fragments", "2", "--fragment-delay", "1"] if arm.endswith("streaming-diloco") else []  # H = 8
+        cmd = [str(args.peers_venv / "bin" / "python"), str(HERE / VENV_ARMS[arm]), "--check", *algorithm,
+               "--out", str(out / "result.json")]  # fmt: skip
         env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
         with open(out / "log.txt", "w") as log:
             code = launch(cmd, env, 2, log, 300)
@@ -181,7 +224,7 @@ def fmt(seconds: float | None) -> str:
 
 
 def median(values: list) -> float | None:
-    """Median of the values; None when one of them is None (a run that did not reach 85%)."""
+    """Median of the values; None when one of them is None (a run that did not reach the target)."""
     return None if not values or any(v is None for v in values) else statistics.median(values)
 
 
@@ -191,9 +234,11 @@ def table(setting: str, results: dict[str, list[dict]], args) -> None:
     peers = [t for arm, t in ttas.items() if arm in PEERS and t is not None]
     best = min(peers) if peers else None
     best_arm = next((a for a, t in ttas.items() if a in PEERS and t == best), None) if best else None
-    print(f"\n{setting}: {args.workers} workers, cnn on Fashion-MNIST, {args.epochs:g} epochs, "
-          f"median of {max(len(r) for r in rows.values()) if rows else 0} seed(s); best peer: {best_arm or 'none reached 85%'}")  # fmt: skip
-    print(f"{'arm':<15} {'85%: average':>12} {'/ best peer':>11} {'rank 0':>12} {'accuracy':>9} {'samples/s':>10} "
+    metric = WORKLOADS[args.model][2]
+    workload = "gpt on fortunes" if args.model == "gpt" else "cnn on Fashion-MNIST"
+    print(f"\n{setting}: {args.workers} workers, {workload}, {args.epochs:g} epochs, "
+          f"median of {max(len(r) for r in rows.values()) if rows else 0} seed(s); best peer: {best_arm or f'none reached {args.target:g}'}")  # fmt: skip
+    print(f"{'arm':<24} {f'{args.target:g}: average':>12} {'/ best peer':>11} {'rank 0':>12} {metric:>9} {'samples/s':>10} "
           f"{'MB/s sent':>10} {'wire MB/s':>10}  settings")  # fmt: skip
     for arm, runs in rows.items():
         tta = ttas[arm]
@@ -201,7 +246,7 @@ def table(setting: str, results: dict[str, list[dict]], args) -> None:
         rank0 = median([r["tta"] for r in runs])
         payload = median([r["payload"] for r in runs])
         wire = median([r.get("wire") for r in runs])
-        print(f"{arm:<15} {fmt(tta):>12} {ratio:>11} {fmt(rank0):>12} {statistics.median(r['accuracy'] for r in runs):>9.4f} "
+        print(f"{arm:<24} {fmt(tta):>12} {ratio:>11} {fmt(rank0):>12} {statistics.median(r['final'] for r in runs):>9.4f} "
               f"{statistics.median(r['samples_per_second'] for r in runs):>10.0f} "
               f"{'-' if payload is None else f'{payload / 1e6:.2f}':>10} {'-' if wire is None else f'{wire / 1e6:.2f}':>10}  "
               f"{runs[0]['note'][:70]}")  # fmt: skip
@@ -210,7 +255,13 @@ def table(setting: str, results: dict[str, list[dict]], args) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", default="loopback,netcluster,straggler")
-    parser.add_argument("--arms", default=",".join(ARMS))
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"of {', '.join(ARMS)}")
+    parser.add_argument("--model", choices=sorted(WORKLOADS), default="cnn")
+    parser.add_argument("--target", type=float, help="test accuracy (cnn, default 0.85) or validation loss (gpt, 2.3)")
+    parser.add_argument("--sync-every", type=int, default=100, help="the DiLoCo arms' H")
+    parser.add_argument("--fragments", type=int, help="the streaming arms' P (default: 4; 2 on the cnn)")
+    parser.add_argument("--fragment-delay", type=int, default=1, help="the streaming arms' tau")
+    parser.add_argument("--fragment-alpha", type=float, default=0.5, help="the streaming arms' alpha")
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--epochs", type=float, default=2.0)
@@ -223,6 +274,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write every run's figures here")
     args = parser.parse_args()
     args.arms = args.arms.split(",")
+    args.target = WORKLOADS[args.model][3] if args.target is None else args.target
+    args.fragments = args.fragments or (4 if args.model == "gpt" else 2)
     settings = args.settings.split(",")
     bad = [a for a in args.arms if a not in ARMS] + [s for s in settings if s not in ("loopback", "netcluster", "straggler")]
     if bad:

@@ -87,11 +87,10 @@ def slices(numel: int, p: int) -> list[tuple[int, int]]:
     return [(k * numel // p, (k + 1) * numel // p) for k in range(p)]
 
 
-def module_fragments(model: torch.nn.Module, p: int) -> list[list[tuple[int, int]]]:
-    """p fragments of whole modules, strided as Streaming DiLoCo takes them (sec. 2.1): the
-    model's units in order (a parameter's unit is its name up to its first numbered part, such
-    as `blocks.3`, else its first part, such as `tokens`), unit u in fragment u mod p.
-    Raises ValueError when the model has fewer than p units."""
+def module_units(model: torch.nn.Module) -> dict[str, list[tuple[int, int]]]:
+    """The model's units in order, each with its [lo, hi) ranges of the flat vector: a
+    parameter's unit is its name up to its first numbered part, such as `blocks.3`, else its
+    first part, such as `tokens` (a module name: `model.get_submodule(unit)`)."""
     units: dict[str, list[tuple[int, int]]] = {}
     offset = 0
     for name, param in ((n, q) for n, q in model.named_parameters() if q.requires_grad):
@@ -100,6 +99,14 @@ def module_fragments(model: torch.nn.Module, p: int) -> list[list[tuple[int, int
         unit = ".".join(parts[: numbered + 1]) if numbered is not None else parts[0]
         units.setdefault(unit, []).append((offset, offset + param.numel()))
         offset += param.numel()
+    return units
+
+
+def module_fragments(model: torch.nn.Module, p: int) -> list[list[tuple[int, int]]]:
+    """p fragments of whole modules, strided as Streaming DiLoCo takes them (sec. 2.1): the
+    model's units in order (`module_units`), unit u in fragment u mod p. Raises ValueError
+    when the model has fewer than p units."""
+    units = module_units(model)
     if len(units) < p:
         raise ValueError(f"fragments {p}: the model has only {len(units)} modules to cut ({', '.join(units)}); "
                          "take fewer fragments or --fragment-cut slices")  # fmt: skip
