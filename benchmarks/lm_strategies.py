@@ -1,16 +1,17 @@
-"""Every strategy on the language model, side by side in one run: the gpt on Debian's fortunes,
+"""The eight strategies of the papers on the language model, side by side in one run (`diloco`
+and `streaming-diloco` too where --strategies names them): the gpt on Debian's fortunes,
 4 workers on loopback, AdamW (lr 3e-3, 20 warm-up steps, cosine over the run), batch 16 a
 worker (1 epoch = 283 steps): time to a validation loss (rank 0's replica, and the replicas'
 average where they differ), its ratio to allreduce's, the loss at the end, and tokens/s.
 
-    .venv/bin/python benchmarks/lm_strategies.py [--target 2.3,2.2] [--epochs 1.6] [--seeds 0,1,2]
+    .venv/bin/python benchmarks/lm_strategies.py [--target 2.3,2.2] [--epochs 1.6] [--seeds 0]
         [--strategies allreduce,ako,gossip,bsp,ssp,asp,absp,easgd] [--out-dir DIR] [--reuse]
 
 A strategy may be `ako:deltas` for Ako with --update deltas. Evaluations are of snapshots
 every sixteenth of an epoch, evaluated after training; time is training seconds (rank 0's
 clock). With several seeds each cell is the median over them, and "vs allreduce" the median
-of each seed's ratio to allreduce's time with that seed (allreduce first in --strategies).
-Each run goes to `<out-dir>/<strategy>-seed<seed>/`; `--reuse` takes a run already there instead
+of each seed's ratio to allreduce's time with that seed (allreduce among --strategies).
+Each run goes to `<out-dir>/<strategy>-seed<seed>/` (`ako-deltas-seed0` for `ako:deltas`); `--reuse` takes a run already there instead
 of training again (a table for another target from the same runs). One table per target.
 """
 

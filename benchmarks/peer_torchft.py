@@ -28,10 +28,10 @@ Settings (in the result's `facts` too), from torchft's LocalSGD example and READ
 `ProcessGroupGloo(timeout=5 s)`, `Manager(min_replica_size=1, timeout=30 s)`, `PGTransport`)
 adapted to 4 workers x batch 64 on 100 Mbit/s links:
 
-- LocalSGD, not DiLoCo: LocalSGD keeps ako's optimizer (SGD, lr 0.1, Nesterov 0.9, weight decay
-  5e-4) as the only one and averages the parameters every `sync_every` steps; DiLoCo would add
-  an outer optimizer (its example: SGD lr 0.7, Nesterov 0.9, over AdamW inner steps and
-  `sync_every=100`), a different algorithm with its own hyperparameters to tune.
+- LocalSGD by default (the arm `torchft`): it keeps ako's optimizer (SGD, lr 0.1, Nesterov 0.9,
+  weight decay 5e-4) as the only one and averages the parameters every `sync_every` steps;
+  DiLoCo (`--algorithm`, above) adds an outer optimizer, a different algorithm with its own
+  hyperparameters, compared with ako's own `diloco` rather than with Ako.
 - `sync_every=8` (the example's 100 is for a 1 GB model; 5 in its quick run): a sync is a quorum
   at the lighthouse (up to a 100 ms tick), 8 Gloo all-reduces (one a parameter, 0.83 MB in all,
   each worker sending 2 (n-1)/n of it: 1.24 MB, 0.1 s at 100 Mbit/s) and a commit vote, about
@@ -48,7 +48,7 @@ adapted to 4 workers x batch 64 on 100 Mbit/s links:
 - `RUST_LOG=warn` unless set: torchft's lighthouse and managers log every quorum at info.
 
 Bytes sent: counted as a ring all-reduce moves them (as ako counts its own collectives):
-2 (n-1)/n x the bytes of every tensor LocalSGD hands to `manager.allreduce`, n the replicas of
+2 (n-1)/n x the bytes of every tensor LocalSGD or DiLoCo hands to `manager.allreduce`, n the replicas of
 that quorum; Gloo's own traffic is not observable from Python. The result's figure is the mean
 over the workers.
 
@@ -304,7 +304,7 @@ def run_worker(args) -> int:
         "discovery": "torchft lighthouse at rank 0; its address through the job's TCPStore",
         "syncs_committed_rank0": syncs, "syncs_due": due, "batches_committed_rank0": manager.batches_committed(),
         "bytes_sent_per_worker": {str(r): json.loads(v) for r, v in sorted(done.items())},
-        "bytes_counted": "2 (n-1)/n x the bytes of each tensor LocalSGD all-reduced (a ring all-reduce's share; n: the quorum's replicas)",
+        "bytes_counted": "2 (n-1)/n x the bytes of each tensor LocalSGD or DiLoCo all-reduced (a ring all-reduce's share; n: the quorum's replicas)",
         "workers_finished": len(done), "workers_lost": gone, "startup_seconds": round(startup, 2),
         "rank0_steps_seconds": round(own_seconds, 3), "first_loss": round(first, 4), "last_loss": round(last, 4),
     }  # fmt: skip

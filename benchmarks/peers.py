@@ -7,8 +7,8 @@ a cosine, and time to a validation loss (`--target`, default 2.3 nats per charac
 Arms: ako's `ako`, `allreduce` and `gossip` (`ako train`, defaults), and the peers, each run as
 its documentation shows it: PyTorch DDP plain, with PowerSGD (rank 1 and 4) and post-local SGD
 (`peer_torch.py`, under torchrun), Hivemind (`peer_hivemind.py`) and torchft (`peer_torchft.py`)
-in their own virtualenv (`peers_venv.sh`, made when missing). Before timing, each of those two
-trains a few steps on 2 workers and must lower its loss; one that cannot install or run here is
+in their own virtualenv (`peers_venv.sh`, made when missing). Before timing, each arm of that
+virtualenv trains a few steps on 2 workers and must lower its loss; one that cannot install or run here is
 left out with one line saying why.
 
 Settings: `loopback` (the workers as processes of this machine), `netcluster` (one worker per
