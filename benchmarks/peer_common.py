@@ -236,9 +236,3 @@ def env_rank() -> tuple[int, int]:
     """(rank, world size) as torchrun sets them."""
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
-
-def time_to(records: list[dict], level: float, metric: str = "accuracy") -> float | None:
-    """Training seconds of the first record at or past `level`: at or above it for accuracy,
-    at or below it for the loss (None: never)."""
-    passed = (lambda v: v <= level) if metric == "loss" else (lambda v: v >= level)
-    return next((r["seconds"] for r in records if passed(r[metric])), None)

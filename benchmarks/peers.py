@@ -47,9 +47,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from peer_common import average_records, time_to
-from run_records import latest_run
-from run_records import time_to as run_time_to
+from peer_common import average_records
+from run_records import latest_run, time_to
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -155,16 +154,17 @@ def result_of(arm: str, out: Path, args) -> dict:
     metric, target = WORKLOADS[args.model][2], args.target
     if arm in AKO_ARMS:
         s, records = latest_run(out)
-        tta = run_time_to(records, f"test_{metric}", target)
+        tta = time_to(records, f"test_{metric}", target)
         differ = f"average_{metric}" in records[-1]  # the replicas differ: their average is evaluated too
-        return {"tta": tta, "average_tta": run_time_to(records, f"average_{metric}", target) if differ else tta,
+        return {"tta": tta, "average_tta": time_to(records, f"average_{metric}", target) if differ else tta,
                 "final": s[f"test_{metric}"], "samples_per_second": s["samples_per_second"],
                 "payload": s["bytes_sent_per_worker_per_second"], "train_seconds": s["train_seconds"],
                 "note": s.get("partitions_reason", "")}  # fmt: skip
     r = json.loads((out / "result.json").read_text())
     records = r["records"]
     averaged = records if arm in SYNCHRONOUS else average_records(out / "result.json", records, r["workers"])
-    return {"tta": time_to(records, target, metric), "average_tta": averaged and time_to(averaged, target, metric),
+    return {"tta": time_to(records, metric, target, "seconds"),
+            "average_tta": averaged and time_to(averaged, metric, target, "seconds"),
             "final": records[-1][metric], "samples_per_second": r["samples_per_second"],
             "payload": r["bytes_sent_per_worker_per_second"], "train_seconds": r["train_seconds"],
             "note": str(r.get("settings", ""))}  # fmt: skip

@@ -18,11 +18,12 @@ def latest_run(folder: Path) -> tuple[dict, list[dict]] | None:
     return json.loads(latest.read_text()), records
 
 
-def time_to(records: list[dict], metric: str, target: float) -> float | None:
-    """Training seconds to the first record whose `metric` is at or past `target` (at most it for
+def time_to(records: list[dict], metric: str, target: float, clock: str = "time") -> float | None:
+    """Training seconds (the records' `clock` key: ako's metrics.jsonl says "time", the peer arms'
+    results "seconds") to the first record whose `metric` is at or past `target` (at most it for
     a loss, at least it otherwise); None: not reached."""
     passed = (lambda v: v <= target) if metric.endswith("loss") else (lambda v: v >= target)
-    return next((r["time"] for r in records if r.get(metric) is not None and passed(r[metric])), None)
+    return next((r[clock] for r in records if r.get(metric) is not None and passed(r[metric])), None)
 
 
 def targets(text: str) -> list[float]:
