@@ -17,6 +17,7 @@ from helpers import make_replica, run_and_kill, single_process_sgd, small_config
 import ako
 from ako.data import ShardSampler, fetch, load_dataset
 from ako.models import build_model, model_options
+from ako.cli import main
 from ako.config import ConfigError
 from ako.run.job import Job
 from ako.strategies import STRATEGIES, Strategy
@@ -298,6 +299,23 @@ def test_options_outside_torchfts_constraints_are_refused(tmp_path):
             ako.train(small_config(tmp_path, strategy=strategy, compress="fp8"))
         with pytest.raises(ConfigError, match="outer_momentum 1"):
             ako.train(small_config(tmp_path, strategy=strategy, outer_momentum=1.0))
+
+
+@pytest.mark.parametrize("command", ["train", "simulate"])
+def test_more_module_fragments_than_modules_is_one_line_before_anything_is_written(tmp_path, capsys, command):
+    """The gpt's 8 modules cannot make 50 whole-module fragments: one line naming them, exit 2,
+    no run directory (not a failure inside the workers)."""
+    out, text = tmp_path / "runs", tmp_path / "words.txt"
+    text.write_text("a few words of text, over and over\n" * 200)
+    args = [command, "--strategy", "streaming-diloco", "--fragment-cut", "modules", "--fragments", "50",
+            "--sync-every", "100", "--model", "gpt", "--layers", "1", "--width", "16", "--heads", "2",
+            "--context", "16", "--dataset", f"text:{text}", "--workers", "2", "--out-dir", str(out), "--no-progress"]
+    if command == "simulate":
+        args += ["--seconds-per-sample", "0.001"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "fragments 50: the model has only" in err, err
+    assert not out.exists()
 
 
 def test_a_lost_worker_ends_a_compressed_run_naming_it(tmp_path):

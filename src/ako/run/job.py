@@ -209,12 +209,13 @@ class Job:
         return {"strategy": self.strategy.name, "model": self.model_name, "optimizer_name": self.optimizer_name,
                 "dataset": dataset, "numel": numel, "world": world}  # fmt: skip
 
-    def validate(self, data: Data, numel: int) -> None:
+    def validate(self, data: Data, replica: Replica) -> None:
         """The settings that depend on the data and the model: the strategy's options against
-        the parameter count `numel`, the batch size against a worker's shard. Raises ConfigError."""
+        the `replica` (its parameter count and modules), the batch size against a worker's
+        shard. Raises ConfigError."""
         c = self.config
         if self.strategy.check is not None:
-            self.strategy.check(c, numel)
+            self.strategy.check(c, replica)
         shard = len(data.train) // c.workers
         if c.step_samples > shard:
             what = f"batch_size {c.batch_size}" + (f" x accumulate {c.accumulate}" if c.accumulate > 1 else "")

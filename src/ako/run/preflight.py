@@ -31,7 +31,7 @@ def check(job, processes: int = 1, out_dir: bool = True) -> tuple:
         raise
     except Exception as e:  # the optimizer or schedule (the user's, or a setting torch refuses)
         raise ConfigError(f"{_optimizer_what(job)} failed: {type(e).__name__}: {first_line(e)}") from None
-    job.validate(data, replica.numel)
+    job.validate(data, replica)
     _try_step(job, replica, data)
     _try_optimizer(job, data)
     if job.config.tensorboard:

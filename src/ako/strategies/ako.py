@@ -471,10 +471,10 @@ def _settle_ring(target: torch.Tensor, mean: Mean, lo: int, hi: int, mine: torch
     return votes > 0
 
 
-def check(config, numel: int) -> None:
+def check(config, replica) -> None:
     """Raise ConfigError when --partitions exceeds the model's parameter count."""
-    if config.partitions != "auto" and config.partitions > numel:
-        raise ConfigError(f"partitions {config.partitions}: must be at most the model's parameter count {numel}")
+    if config.partitions != "auto" and config.partitions > replica.numel:
+        raise ConfigError(f"partitions {config.partitions}: must be at most the model's parameter count {replica.numel}")
 
 
 def choose_plan(ctx):

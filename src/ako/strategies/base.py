@@ -16,7 +16,7 @@ TrainConfig = Any
 
 WorkerProgram = Callable[["WorkerContext"], Generator[Any, Any, dict]]
 ServerProgram = Callable[["ServerContext"], Generator[Any, Any, dict]]
-ConfigCheck = Callable[[TrainConfig, int], None]
+ConfigCheck = Callable[[TrainConfig, Replica], None]
 
 
 @dataclass
@@ -102,8 +102,8 @@ class Strategy:
     `lockstep`: every rank runs the same iteration at once (allreduce, bsp, absp), so a
     checkpoint resumes exactly; a rank that gets the call for one too late skips it.
     `options`: the settings only this strategy (and others declaring them) takes.
-    `check(config, numel)` raises ConfigError for options the model cannot take (before any
-    process starts). `summarise(per_rank)` adds strategy-specific totals to the summary.
+    `check(config, replica)` raises ConfigError for options the model (the replica's `numel`
+    and `model`) cannot take (before any process starts). `summarise(per_rank)` adds strategy-specific totals to the summary.
     `paper`: where the algorithm comes from. `optimizer_on`: where the optimizer (and its
     schedule) runs: "workers" (any torch optimizer) or "servers" (each steps its shard: only
     elementwise optimizers, `ako.optim.check_elementwise`)."""

@@ -218,12 +218,17 @@ def streaming(ctx):
     return (yield from _worker(ctx, streaming=True))
 
 
-def check(config, numel: int) -> None:
-    """torchft's constraints: P <= the parameter count, H a multiple of P, tau < H / P.
-    Raises ConfigError."""
+def check(config, replica) -> None:
+    """torchft's constraints: P <= the parameter count (with --fragment-cut modules, the
+    model's modules), H a multiple of P, tau < H / P. Raises ConfigError."""
     p = getattr(config, "fragments", None) or 1
-    if p > numel:
-        raise ConfigError(f"fragments {p}: must be at most the model's parameter count {numel}")
+    if p > replica.numel:
+        raise ConfigError(f"fragments {p}: must be at most the model's parameter count {replica.numel}")
+    if getattr(config, "fragment_cut", None) == "modules":
+        try:
+            module_fragments(replica.model, p)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if config.sync_every % p:
         raise ConfigError(f"sync_every {config.sync_every}: must be a multiple of fragments ({p}), "
                           "so that each fragment syncs once every sync_every steps")  # fmt: skip

@@ -172,7 +172,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     config, strategy = job.config, job.strategy
     n = config.workers
     replica = job.build_replica(data, device)
-    job.validate(data, replica.numel)
+    job.validate(data, replica)
     try:
         runtime = DistributedRuntime(rank, world, config.timeout, device, strategy.survives_loss, n, startup_timeout(config.timeout))
         liveness.record(store, rank)

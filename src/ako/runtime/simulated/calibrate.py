@@ -120,7 +120,7 @@ def calibrate(config: TrainConfig, out: str | None = None, repeats: int = 20, pr
             raise ConfigError(f"out {out!r}: cannot make its directory ({e.strerror})") from None
     job = Job(config)
     data = job.load_data()
-    job.validate(data, job.build_replica(data, torch.device("cpu")).numel)
+    job.validate(data, job.build_replica(data, torch.device("cpu")))
     profile = {
         "model": config.model,
         "dataset": data.name,

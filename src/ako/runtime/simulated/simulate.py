@@ -36,7 +36,7 @@ def simulate_job(job: Job, costs: Costs, data: Data | None = None) -> tuple[dict
     n, world = config.workers, config.workers + (config.servers or 0)
     cpu = torch.device("cpu")
     replicas = [job.build_replica(data, cpu) for _ in range(world)]
-    job.validate(data, replicas[0].numel)
+    job.validate(data, replicas[0])
     env = simpy.Environment()
     threads = torch.get_num_threads()
     runtime = SimulatedRuntime(env, costs, world, n, config.step_samples, threads)

@@ -37,10 +37,10 @@ def shards(numel: int, boundaries: list[int], servers: int) -> list[tuple[int, i
     return partition_bounds(numel, servers, boundaries)
 
 
-def check(config, numel: int) -> None:
+def check(config, replica) -> None:
     """Raise ConfigError when there are more servers than parameters."""
-    if config.servers is not None and config.servers > numel:
-        raise ConfigError(f"servers {config.servers}: must be at most the model's parameter count {numel}")
+    if config.servers is not None and config.servers > replica.numel:
+        raise ConfigError(f"servers {config.servers}: must be at most the model's parameter count {replica.numel}")
 
 
 def pack(*fields: tuple[int, int]) -> int:
