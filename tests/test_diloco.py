@@ -335,3 +335,27 @@ def test_the_registry_declares_both():
     assert {"diloco", "streaming-diloco"} <= set(STRATEGIES)
     names = {o.name for o in STRATEGIES["streaming-diloco"].options}
     assert {"sync_every", "outer_lr", "outer_momentum", "compress", "fragments", "fragment_delay", "fragment_alpha"} <= names
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ako_with_an_outer_step_at_p_1_staleness_0_is_diloco_at_h_1(tmp_path, workers):
+    """Ako's windows of deltas with an outer Nesterov step on each mean window (ring, p = 1,
+    s = 0): each step's mean delta goes through the outer optimizer in place of the own
+    delta, which is DiLoCo with H = 1 and the same outer optimizer, inner AdamW states kept."""
+    config = small_config(tmp_path, strategy="diloco", workers=workers, epochs=0.5, sync_every=1, outer_lr=0.7,
+                          outer_momentum=0.9, **ADAMW)  # fmt: skip
+    ako_config = replace(config, strategy="ako", partitions=1, staleness=0, update="deltas", exchange="auto",
+                         sync_every=None)  # fmt: skip
+    for plain, windows in zip(both_runtimes(config), both_runtimes(ako_config), strict=True):
+        assert windows.workers[0].facts["exchange"] == "ring"
+        assert plain.summary["iterations"] == windows.summary["iterations"] == 12 // workers  # 384 samples, 0.5 epoch
+        for a, b in zip(plain.workers, windows.workers, strict=True):
+            torch.testing.assert_close(b.params, a.params, rtol=0, atol=1e-5)
+
+
+def test_an_outer_step_where_ako_has_no_mean_window_of_deltas_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"outer lr/momentum \(0.7, 0.0\): an outer step needs windows of deltas"):
+        ako.train(small_config(tmp_path, strategy="ako", outer_lr=0.7, **ADAMW))  # AdamW's auto is gradients
+    with pytest.raises(ConfigError, match=r"outer lr/momentum \(1.0, 0.5\): an outer step needs --exchange ring or auto"):
+        ako.train(small_config(tmp_path, strategy="ako", outer_momentum=0.5, update="deltas", exchange="all-to-all"))
+    assert not list(tmp_path.glob("runs/*")), "nothing is written for bad input"

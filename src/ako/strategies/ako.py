@@ -61,9 +61,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ako.checks import ConfigError, Integer
+from ako.checks import ConfigError, Integer, Number
 from ako.strategies.base import Option, Strategy
 from ako.strategies.compress import CODECS, COMPRESSIONS, Codec
+from ako.strategies.diloco import Nesterov
 from ako.strategies.mean import Mean
 from ako.strategies.micro_batch import check_micro_batch, default_micro_batch
 from ako.strategies.ops import (AllReduce, Compute, ComputePartial, MeasureBandwidth, MeasureStep, Message, PeerLost, Poll,
@@ -250,10 +251,14 @@ def own_steps(ctx) -> LocalSteps:
     """The own steps of `--update`: windows of deltas (`LocalSteps`), or of gradients
     (`GradientSteps`); auto takes deltas for sgd, whose momentum is linear in the gradients, and
     gradients for every other optimizer (AdamW's step is not)."""
-    update = ctx.config.update
-    if update == "auto":
-        update = "deltas" if ctx.config.optimizer == "sgd" and ctx.config.optimizer_fn is None else "gradients"
-    return GradientSteps(ctx.replica) if update == "gradients" else LocalSteps(ctx.replica)
+    return GradientSteps(ctx.replica) if resolved_update(ctx.config) == "gradients" else LocalSteps(ctx.replica)
+
+
+def resolved_update(config) -> str:
+    """`--update` with auto resolved: deltas or gradients."""
+    if config.update != "auto":
+        return config.update
+    return "deltas" if config.optimizer == "sgd" and config.optimizer_fn is None else "gradients"
 
 
 def average_replicas(ctx, dead: set[int], always: bool = False):
@@ -434,6 +439,7 @@ def _ring(ctx, parts, s):
     own = own_steps(ctx)
     mean = Mean(ctx.rank, n, CODECS[ctx.config.compress], replica.numel, replica.params.device)
     inflight: deque = deque()  # (lo, hi, own window, the mean under way), oldest first
+    outer = outer_step(ctx.config, replica)
     t, stop, heard = 0, False, -1
     pace = Pace(ctx, s)
     while not (stop or ctx.plan_done()):  # a vote to stop early lands s steps later; the plan's end is known to all
@@ -447,10 +453,10 @@ def _ring(ctx, parts, s):
             yield Send(_EMPTY, (ctx.rank - 1) % n, AKO_PROGRESS, step=t)
         t += 1
         while len(inflight) > s:
-            stop |= yield from _settle_ring(own.target, mean, *inflight.popleft())
+            stop |= yield from _settle_ring(own.target, mean, outer, *inflight.popleft())
         own.finish()
     while inflight:
-        yield from _settle_ring(own.target, mean, *inflight.popleft())
+        yield from _settle_ring(own.target, mean, outer, *inflight.popleft())
     unflushed = replica.params.clone() if ctx.rank == 0 else None
     if isinstance(own, GradientSteps):  # the replicas went through their own optimizer states: one mean
         total = yield AllReduce(replica.params.clone(), "sum")
@@ -463,18 +469,44 @@ def _ring(ctx, parts, s):
     return t, unflushed
 
 
-def _settle_ring(target: torch.Tensor, mean: Mean, lo: int, hi: int, mine: torch.Tensor, pending):
-    """Wait for one step's mean and swap the own window for it, in `target` (the replica, or
-    the gradient's corrections); returns the vote."""
+def _settle_ring(target: torch.Tensor, mean: Mean, outer: Nesterov | None, lo: int, hi: int, mine: torch.Tensor, pending):
+    """Wait for one step's mean and swap the own window for it, or for the outer optimizer's
+    step on it, in `target` (the replica, or the gradient's corrections); returns the vote."""
     m, votes = yield from mean.finish(pending)
+    if outer is not None:
+        m = outer.direction([(lo, hi)], m)
     target[lo:hi].add_(m.sub_(mine))
     return votes > 0
 
 
+def outer_step(config, replica) -> Nesterov | None:
+    """The outer optimizer on the mean windows of deltas (`--outer-lr`, `--outer-momentum`), or
+    None for Ako's plain swap (lr 1, momentum 0)."""
+    lr, momentum = outer_settings(config)
+    return None if (lr, momentum) == (1.0, 0.0) else Nesterov(replica.numel, lr, momentum, replica.params.device)
+
+
+def outer_settings(config) -> tuple[float, float]:
+    """(outer lr, outer momentum): 1 and 0 where not given."""
+    lr = 1.0 if config.outer_lr is None else config.outer_lr
+    return lr, (0.0 if config.outer_momentum is None else config.outer_momentum)
+
+
+
 def check(config, replica) -> None:
-    """Raise ConfigError when --partitions exceeds the model's parameter count."""
+    """Raise ConfigError when --partitions exceeds the model's parameter count, or an outer
+    optimizer is asked for where there is no mean window of deltas to step on (windows of
+    gradients, or the all-to-all exchange, which never holds a step's mean at once)."""
     if config.partitions != "auto" and config.partitions > replica.numel:
         raise ConfigError(f"partitions {config.partitions}: must be at most the model's parameter count {replica.numel}")
+    if outer_settings(config) == (1.0, 0.0):
+        return
+    if resolved_update(config) != "deltas":
+        raise ConfigError(f"outer lr/momentum {outer_settings(config)}: an outer step needs windows of deltas "
+                          f"(--update deltas; update {config.update!r} is gradients with {config.optimizer})")  # fmt: skip
+    if config.exchange == "all-to-all":
+        raise ConfigError(f"outer lr/momentum {outer_settings(config)}: an outer step needs --exchange ring or auto "
+                          "(all-to-all applies each peer's window as it comes, never a step's whole mean)")  # fmt: skip
 
 
 def choose_plan(ctx):
@@ -487,10 +519,12 @@ def choose_plan(ctx):
     worker's step time and link (agreed by one all-reduce), capped at `p_max`; the reason starts
     "link-bound: ..." when the cap binds, i.e. the steps will wait for the link."""
     n, c = ctx.world_size, ctx.config
+    ring_only = outer_settings(c) != (1.0, 0.0)  # an outer step needs each step's whole mean
     if n == 1:
-        return ("all-to-all" if c.exchange == "auto" else c.exchange), 1, "a single worker has no peers"
+        auto = "ring" if ring_only else "all-to-all"
+        return (auto if c.exchange == "auto" else c.exchange), 1, "a single worker has no peers"
     if c.partitions != "auto":
-        exchange = c.exchange if c.exchange != "auto" else ("ring" if n >= RING_FROM else "all-to-all")
+        exchange = c.exchange if c.exchange != "auto" else ("ring" if n >= RING_FROM or ring_only else "all-to-all")
         return exchange, c.partitions, "set by --partitions"
     given = c.bandwidth_bytes
     step_time = yield MeasureStep()
@@ -503,10 +537,11 @@ def choose_plan(ctx):
     if c.exchange != "auto":
         return c.exchange, *budget.partitions(c.exchange, n, grad_bytes, numel)
     p, reason = budget.partitions("all-to-all", n, grad_bytes, numel)
-    if n < RING_FROM and not reason.startswith("link-bound"):
+    if n < RING_FROM and not reason.startswith("link-bound") and not ring_only:
         return "all-to-all", p, reason
     p, reason = budget.partitions("ring", n, grad_bytes, numel)
-    why = f"{n} workers" if n >= RING_FROM else f"all-to-all would need more than p = {budget.cap}"
+    why = (f"{n} workers" if n >= RING_FROM else "an outer step" if ring_only
+           else f"all-to-all would need more than p = {budget.cap}")  # fmt: skip
     return "ring", p, f"{reason}; the ring, as {why}"
 
 
@@ -584,6 +619,11 @@ STRATEGY = Strategy(
         Option(name="compress", help="how a window travels: none (float32), bf16, int8 (a scale per 128 values) or "
                "fp4 (E3M0, a scale per 128 values); what a lossy code leaves out stays in the accumulator (all-to-all) or "
                "a residual (ring) and goes later (error feedback); the final flush goes in float32", choices=COMPRESSIONS),
+        # no defaults here (None is lr 1, momentum 0): config.toml would record them, and diloco would take them from there
+        Option(name="outer_lr", help="the outer optimizer's lr on each mean window of deltas, on the ring "
+               "(Streaming DiLoCo's outer step with H = p; default 1: the plain swap)", check=Number("outer_lr", 0.0, 100.0)),
+        Option(name="outer_momentum", help="the outer optimizer's Nesterov momentum (default 0)",
+               check=Number("outer_momentum", 0.0, 0.999)),
         Option(name="update", help="what a window carries: deltas (each worker's own optimizer steps), gradients "
                "(the optimizer steps on the gradient plus the peers' corrections: all-reduce at p = 1, s = 0 for any "
                "optimizer), or auto (deltas for sgd, gradients for the others)", choices=UPDATES),

@@ -139,24 +139,38 @@ def scatter(vector: torch.Tensor, ranges: list[tuple[int, int]], values: torch.T
         at += hi - lo
 
 
-class OuterSGD:
-    """The outer optimizer: SGD with Nesterov momentum (plain SGD at momentum 0) on
-    theta_global (numel,), stepped one fragment at a time; the same update as
-    `torch.optim.SGD(lr=lr, momentum=mu, nesterov=True)` without weight decay or dampening."""
+class Nesterov:
+    """SGD with Nesterov momentum's update, fragment by fragment, for a flat vector of `numel`
+    values: `direction` gives what a step subtracts (torch.optim.SGD's, nesterov=True, without
+    weight decay or dampening; plain SGD at momentum 0)."""
 
-    def __init__(self, start: torch.Tensor, lr: float, momentum: float):
-        self.params = start.detach().clone()
+    def __init__(self, numel: int, lr: float, momentum: float, device=None):
         self.lr, self.momentum = lr, momentum
-        self.buf = torch.zeros_like(self.params) if momentum else None
+        self.buf = torch.zeros(numel, device=device) if momentum else None
 
-    def step(self, ranges: list[tuple[int, int]], grad: torch.Tensor) -> torch.Tensor:
-        """One step of the fragment at `ranges` with `grad` (its size,); returns its new
-        theta_global (its size,)."""
+    def direction(self, ranges: list[tuple[int, int]], grad: torch.Tensor) -> torch.Tensor:
+        """lr (grad + mu b) after b <- mu b + grad on the fragment at `ranges` (its size,;
+        `grad` is not modified). Linear in `grad`: a mean delta may go in for a gradient, and
+        what comes out is then the step to add (Ako's outer step, strategies/ako.py)."""
         if self.buf is not None:
             buf = gather(self.buf, ranges).mul_(self.momentum).add_(grad)
             scatter(self.buf, ranges, buf)
             grad = grad.add(buf, alpha=self.momentum)
-        new = gather(self.params, ranges).sub_(grad, alpha=self.lr)
+        return grad.mul(self.lr)
+
+
+class OuterSGD:
+    """The outer optimizer: `Nesterov` on theta_global (numel,), stepped one fragment at a
+    time."""
+
+    def __init__(self, start: torch.Tensor, lr: float, momentum: float):
+        self.params = start.detach().clone()
+        self.nesterov = Nesterov(self.params.numel(), lr, momentum, self.params.device)
+
+    def step(self, ranges: list[tuple[int, int]], grad: torch.Tensor) -> torch.Tensor:
+        """One step of the fragment at `ranges` with `grad` (its size,); returns its new
+        theta_global (its size,)."""
+        new = gather(self.params, ranges).sub_(self.nesterov.direction(ranges, grad))
         scatter(self.params, ranges, new)
         return new
 
