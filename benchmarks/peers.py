@@ -52,7 +52,9 @@ from run_records import latest_run, time_to
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-AKO_ARMS = ("ako", "allreduce", "gossip", "diloco", "streaming-diloco")
+AKO_ARMS = ("ako", "allreduce", "gossip", "diloco", "streaming-diloco", "ako-outer")
+# arms that are a strategy with settings: ako's windows of deltas with an outer Nesterov step (docs/strategies.md)
+VARIANTS = {"ako-outer": ("ako", ["--update", "deltas", "--outer-lr", "0.8", "--outer-momentum", "0.6"])}
 TORCH_ARMS = ("ddp", "powersgd-r1", "powersgd-r4", "post-local-sgd")
 VENV_ARMS = {"hivemind": "peer_hivemind.py", "torchft": "peer_torchft.py", "torchft-diloco": "peer_torchft.py",
              "torchft-streaming-diloco": "peer_torchft.py"}  # fmt: skip
@@ -102,7 +104,8 @@ def command(arm: str, args, setting: str, seed: int, out: Path) -> tuple[list[st
     n = args.workers
     ako_flags, peer_flags = WORKLOADS[args.model][:2]
     if arm in AKO_ARMS:
-        program = ["--strategy", arm, "--workers", str(n), *ako_flags, *diloco_flags(arm, args, True), *common,
+        strategy, settings = VARIANTS.get(arm, (arm, []))
+        program = ["--strategy", strategy, *settings, "--workers", str(n), *ako_flags, *diloco_flags(arm, args, True), *common,
                    "--out-dir", str(out), "--no-progress"]  # fmt: skip
         if setting == "loopback":
             return [sys.executable, "-m", "ako", "train", *program], {}
