@@ -102,22 +102,25 @@ def test_allreduce_with_adamw_equals_one_process(tmp_path, corpus):
 
 @pytest.mark.parametrize("exchange", ["all-to-all", "ring"])
 def test_ako_at_one_partition_in_lock_step_equals_allreduce_with_adamw(tmp_path, corpus, exchange):
-    """Ako with p = 1, s = 0 and windows of gradients (`--update auto` for AdamW) equals
-    all-reduce with AdamW, on both exchanges (to 1e-5); with windows of deltas it
-    does not: it averages the workers' own AdamW steps."""
+    """Ako with p = 1, s = 0 and windows of gradients (`--update gradients`) equals all-reduce
+    with AdamW, on both exchanges (to 1e-5); with windows of deltas it does not: it averages
+    the workers' own AdamW steps."""
     config = lm_config(tmp_path, corpus, strategy="allreduce")
     expected = ako.train(config).workers[0].params
-    lock_step = replace(config, strategy="ako", partitions=1, staleness=0, exchange=exchange)
+    lock_step = replace(config, strategy="ako", partitions=1, staleness=0, exchange=exchange, update="gradients")
     for worker in ako.train(lock_step).workers:
         torch.testing.assert_close(worker.params, expected, rtol=0, atol=1e-5)
     deltas = ako.train(replace(lock_step, update="deltas")).workers[0].params
     assert (deltas - expected).abs().max() > 1e-3
 
 
-def test_ako_with_gradient_windows_ends_with_equal_replicas_and_trains(tmp_path, corpus):
-    """Defaults (p = auto, s = 1) with AdamW: the replicas are one after the final call, and
-    the validation loss falls from the start's."""
-    result = ako.train(lm_config(tmp_path, corpus, strategy="ako", eval_every=1.0, epochs=4.0))
+@pytest.mark.parametrize("update", ["auto", "gradients"])
+def test_ako_with_adamw_ends_with_equal_replicas_and_trains(tmp_path, corpus, update):
+    """Defaults (p = auto, s = 1) with AdamW, whose auto form is windows of deltas with the
+    outer step on the ring, and windows of gradients: the replicas are one after the final
+    call, and the validation loss falls from the start's."""
+    result = ako.train(lm_config(tmp_path, corpus, strategy="ako", eval_every=1.0, epochs=4.0, update=update))
+    assert result.workers[0].facts["exchange"] == ("ring" if update == "auto" else "all-to-all")
     first, last = result.workers[0].params, result.workers[1].params
     assert torch.equal(first, last)
     records = [json.loads(line) for line in (Path(result.summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]

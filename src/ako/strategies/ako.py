@@ -21,6 +21,14 @@ a loop whose effective step is lr / (1 - momentum) = 1.0, which diverges even at
 quadratic, heavy-ball with its update delayed one step is stable only for lr x curvature <
 1 - momentum). Here the delay only corrects the difference between the own step and the mean.
 
+With an adaptive optimizer (AdamW) the mean of the workers' own steps is short (normalised steps
+on independent noise), so `--update auto` passes each step's mean window m through an outer
+optimizer, SGD with Nesterov momentum as in DiLoCo (Douillard et al., arXiv 2311.08105):
+b <- mu b + m, and the partition moves by lr (m + mu b) in place of the own window. That is
+Streaming DiLoCo (arXiv 2501.18512) with H = p fragments of one step each and tau = s, keeping
+the steps taken while a window travels; at p = 1, s = 0 it is DiLoCo with H = 1. It needs a
+step's whole mean at once: the ring. (`--update gradients`: DGA's own form, see GradientSteps.)
+
 Two exchanges of the windows (`--exchange`):
 - `all-to-all` (the paper's): each window goes to all n - 1 peers, (n-1) x G / p bytes per
   worker per step for a gradient of G bytes. A worker that dies is dropped: its ledger entries
@@ -82,6 +90,9 @@ DEFAULT_STALENESS = 1  # steps a worker may run ahead of the slowest peer it has
 RING_FROM = 8  # `--exchange auto`: the ring from this many workers on
 EXCHANGES = ("auto", "all-to-all", "ring")  # --exchange
 UPDATES = ("auto", "deltas", "gradients")  # --update
+# --update auto's outer step for adaptive optimizers (lr, Nesterov momentum), measured on the gpt with AdamW
+# (docs/results.md, "Ako against DiLoCo and Streaming DiLoCo"): DiLoCo's own 0.7 and 0.9 diverge at one-step fragments
+ADAPTIVE_OUTER = (0.8, 0.6)
 
 
 def worker(ctx):
@@ -248,17 +259,29 @@ def _all_to_all(ctx, parts, s):
 
 
 def own_steps(ctx) -> LocalSteps:
-    """The own steps of `--update`: windows of deltas (`LocalSteps`), or of gradients
-    (`GradientSteps`); auto takes deltas for sgd, whose momentum is linear in the gradients, and
-    gradients for every other optimizer (AdamW's step is not)."""
-    return GradientSteps(ctx.replica) if resolved_update(ctx.config) == "gradients" else LocalSteps(ctx.replica)
+    """The own steps of the run's form (`form`): windows of deltas (`LocalSteps`), or of
+    gradients (`GradientSteps`)."""
+    return GradientSteps(ctx.replica) if form(ctx.config)[0] == "gradients" else LocalSteps(ctx.replica)
 
 
-def resolved_update(config) -> str:
-    """`--update` with auto resolved: deltas or gradients."""
-    if config.update != "auto":
-        return config.update
-    return "deltas" if config.optimizer == "sgd" and config.optimizer_fn is None else "gradients"
+def form(config) -> tuple[str, tuple[float, float]]:
+    """What a window carries and the outer step on each mean window: (deltas or gradients,
+    (outer lr, outer momentum)), (1, 0) being the plain swap: `auto_form` for `--update auto`,
+    the plain swap otherwise; `--outer-lr` and `--outer-momentum` replace the outer values."""
+    update, outer = config.update, (1.0, 0.0)
+    if update == "auto":
+        update, outer = auto_form(config.optimizer == "sgd" and config.optimizer_fn is None, config.exchange)
+    lr = outer[0] if config.outer_lr is None else config.outer_lr
+    return update, (lr, outer[1] if config.outer_momentum is None else config.outer_momentum)
+
+
+def auto_form(linear: bool, exchange: str) -> tuple[str, tuple[float, float]]:
+    """`--update auto`: deltas and the plain swap for an optimizer `linear` in its gradients
+    (sgd: at p = 1, s = 0 that is all-reduce); for any other (AdamW) deltas with the outer
+    step ADAPTIVE_OUTER, which needs the ring, or gradients where `exchange` is all-to-all."""
+    if linear:
+        return "deltas", (1.0, 0.0)
+    return ("gradients", (1.0, 0.0)) if exchange == "all-to-all" else ("deltas", ADAPTIVE_OUTER)
 
 
 def average_replicas(ctx, dead: set[int], always: bool = False):
@@ -466,6 +489,9 @@ def _ring(ctx, parts, s):
     owed = window.clone() if mean.residual is None else window + mean.residual.error  # what the codes left out goes too
     total = yield AllReduce(owed, "sum")
     replica.params.add_(total.div_(n).sub_(window))
+    if outer is not None:  # equal to float rounding, each replica through its own adds: one mean makes them one
+        total = yield AllReduce(replica.params.clone(), "sum")
+        replica.params.copy_(total.div_(n))
     return t, unflushed
 
 
@@ -480,17 +506,10 @@ def _settle_ring(target: torch.Tensor, mean: Mean, outer: Nesterov | None, lo: i
 
 
 def outer_step(config, replica) -> Nesterov | None:
-    """The outer optimizer on the mean windows of deltas (`--outer-lr`, `--outer-momentum`), or
-    None for Ako's plain swap (lr 1, momentum 0)."""
-    lr, momentum = outer_settings(config)
+    """The outer optimizer on the mean windows of deltas (`form`), or None for Ako's plain swap
+    (lr 1, momentum 0)."""
+    lr, momentum = form(config)[1]
     return None if (lr, momentum) == (1.0, 0.0) else Nesterov(replica.numel, lr, momentum, replica.params.device)
-
-
-def outer_settings(config) -> tuple[float, float]:
-    """(outer lr, outer momentum): 1 and 0 where not given."""
-    lr = 1.0 if config.outer_lr is None else config.outer_lr
-    return lr, (0.0 if config.outer_momentum is None else config.outer_momentum)
-
 
 
 def check(config, replica) -> None:
@@ -499,13 +518,14 @@ def check(config, replica) -> None:
     gradients, or the all-to-all exchange, which never holds a step's mean at once)."""
     if config.partitions != "auto" and config.partitions > replica.numel:
         raise ConfigError(f"partitions {config.partitions}: must be at most the model's parameter count {replica.numel}")
-    if outer_settings(config) == (1.0, 0.0):
+    update, outer = form(config)
+    if outer == (1.0, 0.0):
         return
-    if resolved_update(config) != "deltas":
-        raise ConfigError(f"outer lr/momentum {outer_settings(config)}: an outer step needs windows of deltas "
-                          f"(--update deltas; update {config.update!r} is gradients with {config.optimizer})")  # fmt: skip
+    if update != "deltas":
+        raise ConfigError(f"outer lr/momentum {outer}: an outer step needs windows of deltas "
+                          f"(--update deltas, or auto on the ring; here update {config.update!r} is gradients)")  # fmt: skip
     if config.exchange == "all-to-all":
-        raise ConfigError(f"outer lr/momentum {outer_settings(config)}: an outer step needs --exchange ring or auto "
+        raise ConfigError(f"outer lr/momentum {outer}: an outer step needs --exchange ring or auto "
                           "(all-to-all applies each peer's window as it comes, never a step's whole mean)")  # fmt: skip
 
 
@@ -519,7 +539,7 @@ def choose_plan(ctx):
     worker's step time and link (agreed by one all-reduce), capped at `p_max`; the reason starts
     "link-bound: ..." when the cap binds, i.e. the steps will wait for the link."""
     n, c = ctx.world_size, ctx.config
-    ring_only = outer_settings(c) != (1.0, 0.0)  # an outer step needs each step's whole mean
+    ring_only = form(c)[1] != (1.0, 0.0)  # an outer step needs each step's whole mean
     if n == 1:
         auto = "ring" if ring_only else "all-to-all"
         return (auto if c.exchange == "auto" else c.exchange), 1, "a single worker has no peers"
@@ -626,7 +646,8 @@ STRATEGY = Strategy(
                check=Number("outer_momentum", 0.0, 0.999)),
         Option(name="update", help="what a window carries: deltas (each worker's own optimizer steps), gradients "
                "(the optimizer steps on the gradient plus the peers' corrections: all-reduce at p = 1, s = 0 for any "
-               "optimizer), or auto (deltas for sgd, gradients for the others)", choices=UPDATES),
+               "optimizer), or auto (deltas for sgd; for the others deltas with an outer step lr 0.8, momentum 0.6 on the "
+               "ring, or gradients under --exchange all-to-all)", choices=UPDATES),
     ),
     paper="Watcharapichat et al., SoCC 2016; the update as delayed gradient averaging (Zhu et al., NeurIPS 2021)",
 )  # fmt: skip
