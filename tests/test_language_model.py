@@ -114,13 +114,17 @@ def test_ako_at_one_partition_in_lock_step_equals_allreduce_with_adamw(tmp_path,
     assert (deltas - expected).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("update", ["auto", "gradients"])
-def test_ako_with_adamw_ends_with_equal_replicas_and_trains(tmp_path, corpus, update):
-    """Defaults (p = auto, s = 1) with AdamW, whose auto form is windows of deltas with the
-    outer step on the ring, and windows of gradients: the replicas are one after the final
-    call, and the validation loss falls from the start's."""
-    result = ako.train(lm_config(tmp_path, corpus, strategy="ako", eval_every=1.0, epochs=4.0, update=update))
-    assert result.workers[0].facts["exchange"] == ("ring" if update == "auto" else "all-to-all")
+OUTER = dict(update="deltas", outer_lr=0.8, outer_momentum=0.6)
+
+
+@pytest.mark.parametrize("form", ["auto", "outer"])
+def test_ako_with_adamw_ends_with_equal_replicas_and_trains(tmp_path, corpus, form):
+    """Defaults (p = auto, s = 1) with AdamW, whose auto form is windows of gradients
+    (all-to-all at 2 workers), and windows of deltas with the outer step (the ring): the
+    replicas are one after the final call, and the validation loss falls from the start's."""
+    settings = OUTER if form == "outer" else {}
+    result = ako.train(lm_config(tmp_path, corpus, strategy="ako", eval_every=1.0, epochs=4.0, **settings))
+    assert result.workers[0].facts["exchange"] == ("ring" if form == "outer" else "all-to-all")
     first, last = result.workers[0].params, result.workers[1].params
     assert torch.equal(first, last)
     records = [json.loads(line) for line in (Path(result.summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]

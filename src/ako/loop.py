@@ -53,7 +53,7 @@ from ako.runtime.distributed.runtime import DistributedRuntime
 from ako.runtime.distributed.scripts import FAILED_KEY, LAUNCHER_ENV, SETTINGS_ENV, STRATEGY_KEY
 from ako.runtime.loop import LoopDriver, UserOptimization
 from ako.strategies import STRATEGIES, ServerContext, WorkerContext
-from ako.strategies.ako import auto_form
+from ako.strategies.ako import auto_update
 
 NEEDS_THE_BATCH = {  # strategies a loop cannot run, and why
     "absp": "its partial steps need ako to own the batch (ako train --strategy absp)",
@@ -203,10 +203,7 @@ def _config(strategy: str | None, settings: dict, world: int, optimizer) -> tupl
     if name == "ako":
         given.setdefault("update", "auto")
         if given["update"] == "auto":  # as ako.form takes it, with the loop's optimizer
-            given["update"], outer = auto_form(type(optimizer) is torch.optim.SGD, given.get("exchange", "auto"))
-            if outer != (1.0, 0.0):
-                given.setdefault("outer_lr", outer[0])
-                given.setdefault("outer_momentum", outer[1])
+            given["update"] = auto_update(type(optimizer) is torch.optim.SGD)
     config = replace(TrainConfig(**given), workers=max(1, world - servers), model="custom", dataset="custom", progress=False)
     try:
         config = validate(config)

@@ -22,12 +22,13 @@ quadratic, heavy-ball with its update delayed one step is stable only for lr x c
 1 - momentum). Here the delay only corrects the difference between the own step and the mean.
 
 With an adaptive optimizer (AdamW) the mean of the workers' own steps is short (normalised steps
-on independent noise), so `--update auto` passes each step's mean window m through an outer
-optimizer, SGD with Nesterov momentum as in DiLoCo (Douillard et al., arXiv 2311.08105):
-b <- mu b + m, and the partition moves by lr (m + mu b) in place of the own window. That is
-Streaming DiLoCo (arXiv 2501.18512) with H = p fragments of one step each and tau = s, keeping
-the steps taken while a window travels; at p = 1, s = 0 it is DiLoCo with H = 1. It needs a
-step's whole mean at once: the ring. (`--update gradients`: DGA's own form, see GradientSteps.)
+on independent noise). `--outer-lr` and `--outer-momentum` pass each step's mean window m of
+deltas through an outer optimizer, SGD with Nesterov momentum as in DiLoCo (Douillard et al.,
+arXiv 2311.08105): b <- mu b + m, and the partition moves by lr (m + mu b) in place of the own
+window. That is Streaming DiLoCo (arXiv 2501.18512) with H = p fragments of one step each and
+tau = s, keeping the steps taken while a window travels; at p = 1, s = 0 it is DiLoCo with
+H = 1. It needs a step's whole mean at once: the ring. (`--update auto` takes DGA's windows of
+gradients for AdamW, see GradientSteps.)
 
 Two exchanges of the windows (`--exchange`):
 - `all-to-all` (the paper's): each window goes to all n - 1 peers, (n-1) x G / p bytes per
@@ -90,9 +91,6 @@ DEFAULT_STALENESS = 1  # steps a worker may run ahead of the slowest peer it has
 RING_FROM = 8  # `--exchange auto`: the ring from this many workers on
 EXCHANGES = ("auto", "all-to-all", "ring")  # --exchange
 UPDATES = ("auto", "deltas", "gradients")  # --update
-# --update auto's outer step for adaptive optimizers (lr, Nesterov momentum), measured on the gpt with AdamW
-# (docs/results.md, "Ako against DiLoCo and Streaming DiLoCo"): DiLoCo's own 0.7 and 0.9 diverge at one-step fragments
-ADAPTIVE_OUTER = (0.8, 0.6)
 
 
 def worker(ctx):
@@ -266,22 +264,21 @@ def own_steps(ctx) -> LocalSteps:
 
 def form(config) -> tuple[str, tuple[float, float]]:
     """What a window carries and the outer step on each mean window: (deltas or gradients,
-    (outer lr, outer momentum)), (1, 0) being the plain swap: `auto_form` for `--update auto`,
-    the plain swap otherwise; `--outer-lr` and `--outer-momentum` replace the outer values."""
-    update, outer = config.update, (1.0, 0.0)
+    (outer lr, outer momentum)), (1, 0) being the plain swap unless `--outer-lr` or
+    `--outer-momentum` say otherwise; `--update auto` is `auto_update`'s."""
+    update = config.update
     if update == "auto":
-        update, outer = auto_form(config.optimizer == "sgd" and config.optimizer_fn is None, config.exchange)
-    lr = outer[0] if config.outer_lr is None else config.outer_lr
-    return update, (lr, outer[1] if config.outer_momentum is None else config.outer_momentum)
+        update = auto_update(config.optimizer == "sgd" and config.optimizer_fn is None)
+    lr = 1.0 if config.outer_lr is None else config.outer_lr
+    return update, (lr, 0.0 if config.outer_momentum is None else config.outer_momentum)
 
 
-def auto_form(linear: bool, exchange: str) -> tuple[str, tuple[float, float]]:
-    """`--update auto`: deltas and the plain swap for an optimizer `linear` in its gradients
-    (sgd: at p = 1, s = 0 that is all-reduce); for any other (AdamW) deltas with the outer
-    step ADAPTIVE_OUTER, which needs the ring, or gradients where `exchange` is all-to-all."""
-    if linear:
-        return "deltas", (1.0, 0.0)
-    return ("gradients", (1.0, 0.0)) if exchange == "all-to-all" else ("deltas", ADAPTIVE_OUTER)
+def auto_update(linear: bool) -> str:
+    """`--update auto`: deltas for an optimizer `linear` in its gradients (sgd: at p = 1, s = 0
+    that is all-reduce), gradients for any other (AdamW's step is not linear). (Deltas with an
+    outer step won on the small gpt at 8 and 16 workers and lost on the default gpt at 4 and
+    8: docs/results.md; not a default.)"""
+    return "deltas" if linear else "gradients"
 
 
 def average_replicas(ctx, dead: set[int], always: bool = False):
@@ -646,8 +643,7 @@ STRATEGY = Strategy(
                check=Number("outer_momentum", 0.0, 0.999)),
         Option(name="update", help="what a window carries: deltas (each worker's own optimizer steps), gradients "
                "(the optimizer steps on the gradient plus the peers' corrections: all-reduce at p = 1, s = 0 for any "
-               "optimizer), or auto (deltas for sgd; for the others deltas with an outer step lr 0.8, momentum 0.6 on the "
-               "ring, or gradients under --exchange all-to-all)", choices=UPDATES),
+               "optimizer), or auto (deltas for sgd, gradients for the others)", choices=UPDATES),
     ),
     paper="Watcharapichat et al., SoCC 2016; the update as delayed gradient averaging (Zhu et al., NeurIPS 2021)",
 )  # fmt: skip
