@@ -125,6 +125,7 @@ def test_ako_with_adamw_ends_with_equal_replicas_and_trains(tmp_path, corpus, fo
     settings = OUTER if form == "outer" else {}
     result = ako.train(lm_config(tmp_path, corpus, strategy="ako", eval_every=1.0, epochs=4.0, **settings))
     assert result.workers[0].facts["exchange"] == ("ring" if form == "outer" else "all-to-all")
+    assert result.summary["windows"] == ("deltas with an outer step (lr 0.8, momentum 0.6)" if form == "outer" else "gradients")
     first, last = result.workers[0].params, result.workers[1].params
     assert torch.equal(first, last)
     records = [json.loads(line) for line in (Path(result.summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]

@@ -224,8 +224,8 @@ def format_summary(s: dict) -> str:
         lines.append(f"  lost             {'; '.join(map(loss_text, lost))}; the others carried on")
     if "partitions" in s:
         lines.append(
-            f"  partitions       p = {s['partitions']}, {s['exchange']}, staleness bound {s['staleness_bound']} "
-            f"({s['partitions_reason']})"
+            f"  partitions       p = {s['partitions']}, {s['exchange']}, staleness bound {s['staleness_bound']}"
+            f"{', windows of ' + s['windows'] if 'windows' in s else ''} ({s['partitions_reason']})"
         )
     if s.get("partial_steps"):
         cut, short = per_worker(s, "partial_steps"), per_worker(s, "samples_short")

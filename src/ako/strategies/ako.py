@@ -102,7 +102,10 @@ def worker(ctx):
     parts = partition_bounds(ctx.replica.numel, p, ctx.replica.boundaries)
     run = _ring if exchange == "ring" else _all_to_all
     steps, unflushed = yield from run(ctx, parts, s)
-    facts = {"steps": steps, "exchange": exchange, "partitions": p, "partitions_reason": reason, "staleness_bound": s}
+    update, (lr, momentum) = form(ctx.config)
+    windows = update if (lr, momentum) == (1.0, 0.0) else f"{update} with an outer step (lr {lr:g}, momentum {momentum:g})"
+    facts = {"steps": steps, "exchange": exchange, "partitions": p, "partitions_reason": reason, "staleness_bound": s,
+             "windows": windows}
     if ctx.rank == 0:
         facts["unflushed"] = unflushed
     return facts
@@ -520,7 +523,7 @@ def check(config, replica) -> None:
         return
     if update != "deltas":
         raise ConfigError(f"outer lr/momentum {outer}: an outer step needs windows of deltas "
-                          f"(--update deltas, or auto on the ring; here update {config.update!r} is gradients)")  # fmt: skip
+                          f"(--update deltas; here update {config.update!r} is gradients, as auto is for {config.optimizer})")  # fmt: skip
     if config.exchange == "all-to-all":
         raise ConfigError(f"outer lr/momentum {outer}: an outer step needs --exchange ring or auto "
                           "(all-to-all applies each peer's window as it comes, never a step's whole mean)")  # fmt: skip
@@ -557,7 +560,7 @@ def choose_plan(ctx):
     if n < RING_FROM and not reason.startswith("link-bound") and not ring_only:
         return "all-to-all", p, reason
     p, reason = budget.partitions("ring", n, grad_bytes, numel)
-    why = (f"{n} workers" if n >= RING_FROM else "an outer step" if ring_only
+    why = (f"{n} workers" if n >= RING_FROM else "an outer step needs each step's whole mean" if ring_only
            else f"all-to-all would need more than p = {budget.cap}")  # fmt: skip
     return "ring", p, f"{reason}; the ring, as {why}"
 
@@ -626,7 +629,8 @@ STRATEGY = Strategy(
         Option(name="partitions", help="number of gradient partitions p, or auto (the link budget's, at most 8; 4 below 16 samples a step)",
                check=Integer("partitions", 1, auto=True)),
         Option(name="exchange", help="all-to-all (every peer gets each window), ring (an all-reduce of each window), "
-               "or auto (ring from 8 workers on, or where all-to-all would not fit the link)", choices=EXCHANGES),
+               "or auto (ring from 8 workers on, with an outer step, or where all-to-all would not fit the link)",
+               choices=EXCHANGES),
         # no default here (None is DEFAULT_STALENESS): config.toml would record it, and ssp would take it from there
         Option(name="staleness", help="staleness bound s (0 = lock-step; default 1)", check=Integer("staleness", 0, 1000)),
         Option(name="micro_batch", help="samples per micro-batch of a straggler's partial steps "
