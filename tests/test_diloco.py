@@ -360,4 +360,6 @@ def test_an_outer_step_where_ako_has_no_mean_window_of_deltas_is_refused(tmp_pat
         ako.train(small_config(tmp_path, strategy="ako", outer_lr=0.7, exchange="all-to-all", **ADAMW))  # auto: gradients
     with pytest.raises(ConfigError, match=r"outer lr/momentum \(1.0, 0.5\): an outer step needs --exchange ring or auto"):
         ako.train(small_config(tmp_path, strategy="ako", outer_momentum=0.5, update="deltas", exchange="all-to-all"))
+    with pytest.raises(ConfigError, match=r"outer_lr 0.0: must be a number >= 1e-06 and <= 100"):  # it would never move
+        ako.train(small_config(tmp_path, strategy="ako", outer_lr=0.0, update="deltas"))
     assert not list(tmp_path.glob("runs/*")), "nothing is written for bad input"

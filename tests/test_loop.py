@@ -257,3 +257,14 @@ def test_a_nanogpt_style_loop_with_three_lines_trains_the_gpt_under_both_launche
             val[int(line.split()[3].rstrip(":"))] = float(line.rsplit(" ", 1)[1])
     assert sorted(val) == [0, 29] and val[29] < val[0] - 1.0, out.stdout
     assert (tmp_path / "ckpt.pt").exists()
+
+
+def test_an_outer_step_the_loop_cannot_take_is_one_line_before_any_training(tmp_path):
+    """The strategy's own checks run in a wrapped loop too (here: Ako's outer step needs the
+    ring, and windows of deltas), as under ako train."""
+    out = ako_run("--workers", "2", "--update", "deltas", "--exchange", "all-to-all", "--outer-lr", "0.8", MISUSE, "fine",
+                  cwd=tmp_path)  # fmt: skip
+    assert (out.returncode, out.stderr.strip()) == (2, "ako: error: outer lr/momentum (0.8, 0.0): an outer step needs "
+                                                    "--exchange ring or auto (all-to-all applies each peer's window as it "
+                                                    "comes, never a step's whole mean)")  # fmt: skip
+    assert "wrapped" not in out.stdout and list(tmp_path.iterdir()) == []

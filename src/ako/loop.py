@@ -281,6 +281,11 @@ class Loop:
         self.optimization = UserOptimization(optimizer, self.user_step)
         self.replica = Replica(model, self.optimization)
         self.replica.optimizer.grad = self.replica.grad
+        if self.strategy.check is not None:  # what needs the model (its size, its modules), as ako train checks it
+            try:
+                self.strategy.check(config, self.replica)
+            except ConfigError as e:
+                raise UsageError(str(e)) from None
         self.started = time.perf_counter()
         n = config.workers
         device = self.replica.params.device

@@ -522,8 +522,9 @@ def check(config, replica) -> None:
     if outer == (1.0, 0.0):
         return
     if update != "deltas":
-        raise ConfigError(f"outer lr/momentum {outer}: an outer step needs windows of deltas "
-                          f"(--update deltas; here update {config.update!r} is gradients, as auto is for {config.optimizer})")  # fmt: skip
+        given = "auto, which is gradients for optimizers other than sgd" if config.update == "auto" else repr(config.update)
+        raise ConfigError(f"outer lr/momentum {outer}: an outer step needs windows of deltas (--update deltas; "
+                          f"here update is {given})")  # fmt: skip
     if config.exchange == "all-to-all":
         raise ConfigError(f"outer lr/momentum {outer}: an outer step needs --exchange ring or auto "
                           "(all-to-all applies each peer's window as it comes, never a step's whole mean)")  # fmt: skip
@@ -642,7 +643,7 @@ STRATEGY = Strategy(
                "a residual (ring) and goes later (error feedback); the final flush goes in float32", choices=COMPRESSIONS),
         # no defaults here (None is lr 1, momentum 0): config.toml would record them, and diloco would take them from there
         Option(name="outer_lr", help="the outer optimizer's lr on each mean window of deltas, on the ring "
-               "(Streaming DiLoCo's outer step with H = p; default 1: the plain swap)", check=Number("outer_lr", 0.0, 100.0)),
+               "(Streaming DiLoCo's outer step with H = p; default 1: the plain swap)", check=Number("outer_lr", 1e-6, 100.0)),
         Option(name="outer_momentum", help="the outer optimizer's Nesterov momentum (default 0)",
                check=Number("outer_momentum", 0.0, 0.999)),
         Option(name="update", help="what a window carries: deltas (each worker's own optimizer steps), gradients "
