@@ -73,9 +73,9 @@ import torch
 from ako.checks import ConfigError, Integer, Number
 from ako.strategies.base import Option, Strategy
 from ako.strategies.compress import CODECS, COMPRESSIONS, Codec
-from ako.strategies.diloco import Nesterov
 from ako.strategies.mean import Mean
 from ako.strategies.micro_batch import check_micro_batch, default_micro_batch
+from ako.strategies.nesterov import Nesterov
 from ako.strategies.ops import (AllReduce, Compute, ComputePartial, MeasureBandwidth, MeasureStep, Message, PeerLost, Poll,
                                Recv, Send)  # fmt: skip
 from ako.strategies.partition import auto_partitions, partition_bounds
@@ -91,6 +91,7 @@ DEFAULT_STALENESS = 1  # steps a worker may run ahead of the slowest peer it has
 RING_FROM = 8  # `--exchange auto`: the ring from this many workers on
 EXCHANGES = ("auto", "all-to-all", "ring")  # --exchange
 UPDATES = ("auto", "deltas", "gradients")  # --update
+PLAIN_SWAP = (1.0, 0.0)  # (outer lr, outer momentum) of Ako's own swap: no outer step
 
 
 def worker(ctx):
@@ -103,7 +104,7 @@ def worker(ctx):
     run = _ring if exchange == "ring" else _all_to_all
     steps, unflushed = yield from run(ctx, parts, s)
     update, (lr, momentum) = form(ctx.config)
-    windows = update if (lr, momentum) == (1.0, 0.0) else f"{update} with an outer step (lr {lr:g}, momentum {momentum:g})"
+    windows = update if (lr, momentum) == PLAIN_SWAP else f"{update} with an outer step (lr {lr:g}, momentum {momentum:g})"
     facts = {"steps": steps, "exchange": exchange, "partitions": p, "partitions_reason": reason, "staleness_bound": s,
              "windows": windows}
     if ctx.rank == 0:
@@ -509,7 +510,7 @@ def outer_step(config, replica) -> Nesterov | None:
     """The outer optimizer on the mean windows of deltas (`form`), or None for Ako's plain swap
     (lr 1, momentum 0)."""
     lr, momentum = form(config)[1]
-    return None if (lr, momentum) == (1.0, 0.0) else Nesterov(replica.numel, lr, momentum, replica.params.device)
+    return None if (lr, momentum) == PLAIN_SWAP else Nesterov(replica.numel, lr, momentum, replica.params.device)
 
 
 def check(config, replica) -> None:
@@ -519,7 +520,7 @@ def check(config, replica) -> None:
     if config.partitions != "auto" and config.partitions > replica.numel:
         raise ConfigError(f"partitions {config.partitions}: must be at most the model's parameter count {replica.numel}")
     update, outer = form(config)
-    if outer == (1.0, 0.0):
+    if outer == PLAIN_SWAP:
         return
     if update != "deltas":
         given = "auto, which is gradients for optimizers other than sgd" if config.update == "auto" else repr(config.update)
@@ -540,7 +541,7 @@ def choose_plan(ctx):
     worker's step time and link (agreed by one all-reduce), capped at `p_max`; the reason starts
     "link-bound: ..." when the cap binds, i.e. the steps will wait for the link."""
     n, c = ctx.world_size, ctx.config
-    ring_only = form(c)[1] != (1.0, 0.0)  # an outer step needs each step's whole mean
+    ring_only = form(c)[1] != PLAIN_SWAP  # an outer step needs each step's whole mean
     if n == 1:
         auto = "ring" if ring_only else "all-to-all"
         return (auto if c.exchange == "auto" else c.exchange), 1, "a single worker has no peers"

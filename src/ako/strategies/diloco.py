@@ -36,6 +36,7 @@ from ako.checks import ConfigError, Integer, Number
 from ako.strategies.base import Option, Strategy
 from ako.strategies.compress import CODECS, COMPRESSIONS
 from ako.strategies.mean import Mean
+from ako.strategies.nesterov import Nesterov, gather, scatter
 from ako.strategies.ops import AllReduce, Compute
 
 SYNC_EVERY = 100  # H: INTELLECT-1's (arXiv 2412.01152) and Streaming DiLoCo's; DiLoCo's own runs took 500
@@ -124,39 +125,6 @@ def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((lo, hi))
     return out
-
-
-def gather(vector: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
-    """The fragment's values of `vector` (numel,), concatenated (a copy)."""
-    return torch.cat([vector[lo:hi] for lo, hi in ranges])
-
-
-def scatter(vector: torch.Tensor, ranges: list[tuple[int, int]], values: torch.Tensor) -> None:
-    """Write `values` (the fragment's size,) into `vector` at the fragment's ranges."""
-    at = 0
-    for lo, hi in ranges:
-        vector[lo:hi] = values[at : at + hi - lo]
-        at += hi - lo
-
-
-class Nesterov:
-    """SGD with Nesterov momentum's update, fragment by fragment, for a flat vector of `numel`
-    values: `direction` gives what a step subtracts (torch.optim.SGD's, nesterov=True, without
-    weight decay or dampening; plain SGD at momentum 0)."""
-
-    def __init__(self, numel: int, lr: float, momentum: float, device=None):
-        self.lr, self.momentum = lr, momentum
-        self.buf = torch.zeros(numel, device=device) if momentum else None
-
-    def direction(self, ranges: list[tuple[int, int]], grad: torch.Tensor) -> torch.Tensor:
-        """lr (grad + mu b) after b <- mu b + grad on the fragment at `ranges` (its size,;
-        `grad` is not modified). Linear in `grad`: a mean delta may go in for a gradient, and
-        what comes out is then the step to add (Ako's outer step, strategies/ako.py)."""
-        if self.buf is not None:
-            buf = gather(self.buf, ranges).mul_(self.momentum).add_(grad)
-            scatter(self.buf, ranges, buf)
-            grad = grad.add(buf, alpha=self.momentum)
-        return grad.mul(self.lr)
 
 
 class OuterSGD:
