@@ -149,6 +149,9 @@ def test_a_run_records_the_language_model_figures_and_generates_the_same_text_fo
     out = subprocess.run([sys.executable, "-m", "ako", "generate", str(run_dir), "--prompt", "the ", "--tokens", "40",
                           "--seed", "3"], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0 and out.stdout == "the " + first + "\n"
+    (run_dir / "vocabulary.json").write_text(json.dumps({"type": "characters", "chars": list("the ")}))  # another's
+    with pytest.raises(ako.ConfigError, match=f"4 characters, but the model predicts {len(vocabulary)} tokens"):
+        generate(run_dir, "the ", 40)
 
 
 def _bad_text(tmp_path: Path, kind: str) -> str:

@@ -31,7 +31,8 @@ def generate(run_dir: str | os.PathLike, prompt: str = "\n", tokens: int = 200, 
 
     Raises:
         ConfigError (one line): not a run directory, a run without model.pt or vocabulary.json
-        (not a language model), a prompt with a character the vocabulary lacks, or an argument
+        (not a language model), a vocabulary of another size than the model's, a prompt with a
+        character the vocabulary lacks, or an argument
         out of range.
     """
     from ako.api import load_model
@@ -43,6 +44,11 @@ def generate(run_dir: str | os.PathLike, prompt: str = "\n", tokens: int = 200, 
         ids = vocabulary.encode(prompt).unsqueeze(0)
     except Exception as e:  # DataError: a character it never saw
         raise ConfigError(f"prompt {prompt[:40]!r}: {e}") from None
+    with torch.no_grad():
+        predicts = model(ids[:, -1:]).shape[-1]
+    if predicts != vocabulary.size:  # a vocabulary.json not of this model: its ids would not decode
+        raise ConfigError(f"{os.path.join(run_dir, VOCABULARY_FILE)}: {vocabulary.size} characters, but the model "
+                          f"predicts {predicts} tokens: not this model's vocabulary")  # fmt: skip
     return vocabulary.decode(sample(model, ids, tokens, temperature, top_k, seed)[0, ids.shape[1]:])
 
 

@@ -644,7 +644,8 @@ STRATEGY = Strategy(
                "a residual (ring) and goes later (error feedback); the final flush goes in float32", choices=COMPRESSIONS),
         # no defaults here (None is lr 1, momentum 0): config.toml would record them, and diloco would take them from there
         Option(name="outer_lr", help="the outer optimizer's lr on each mean window of deltas, on the ring "
-               "(Streaming DiLoCo's outer step with H = p; default 1: the plain swap)", check=Number("outer_lr", 1e-6, 100.0)),
+               "(Streaming DiLoCo's outer step with H = p; default 1: the plain swap; on the ring, so a lost worker ends the run; "
+               "0.8 with momentum 0.6 measured with AdamW)", check=Number("outer_lr", 1e-6, 100.0)),
         Option(name="outer_momentum", help="the outer optimizer's Nesterov momentum (default 0)",
                check=Number("outer_momentum", 0.0, 0.999)),
         Option(name="update", help="what a window carries: deltas (each worker's own optimizer steps), gradients "
