@@ -52,10 +52,9 @@ from run_records import latest_run, time_to
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-AKO_ARMS = ("ako", "allreduce", "gossip", "diloco", "streaming-diloco", "ako-outer")
-# arms that are a strategy with settings: ako's windows of deltas with an outer Nesterov step (docs/strategies.md;
-# its values were measured with AdamW, so --model gpt only: on the cnn's SGD they diverge)
-VARIANTS = {"ako-outer": ("ako", ["--update", "deltas", "--outer-lr", "0.8", "--outer-momentum", "0.6"])}
+AKO_ARMS = ("ako", "allreduce", "gossip", "diloco", "streaming-diloco", "ako-gradients")
+# arms that are a strategy with settings: ako's windows of gradients, AdamW's default before the outer step
+VARIANTS = {"ako-gradients": ("ako", ["--update", "gradients"])}
 TORCH_ARMS = ("ddp", "powersgd-r1", "powersgd-r4", "post-local-sgd")
 VENV_ARMS = {"hivemind": "peer_hivemind.py", "torchft": "peer_torchft.py", "torchft-diloco": "peer_torchft.py",
              "torchft-streaming-diloco": "peer_torchft.py"}  # fmt: skip
@@ -287,9 +286,6 @@ def main() -> int:
         return 2
     if args.workers < 2 or args.seeds < 1 or args.epochs <= 0 or not 0 < args.slow_rank < args.workers or args.factor < 1:
         print("peers: --workers must be >= 2, --seeds >= 1, --epochs > 0, --slow-rank a worker other than 0, --factor >= 1")
-        return 2
-    if "ako-outer" in args.arms and args.model != "gpt":
-        print("peers: the arm ako-outer's outer step (lr 0.8, momentum 0.6) was chosen for AdamW: use it with --model gpt")
         return 2
     if args.json and not args.json.parent.is_dir():
         print(f"peers: --json {str(args.json)!r}: its directory does not exist")

@@ -230,6 +230,21 @@ def test_auto_caps_p_and_says_when_the_link_binds(tmp_path):
     assert rate == pytest.approx(bandwidth, rel=0.05)
 
 
+
+def test_auto_with_an_outer_step_takes_8_to_100_partitions():
+    """With an outer step (P_OUTER) p = auto is the link's p raised to at least 8 and capped at
+    100: on the ring at 4 workers a gradient of G = 361632 bytes needs 1.5 G = 542448 bytes a
+    step, against B x T_step = 160 kB at 20 MB/s (p = 4, raised to 8), 16 kB at 2 MB/s (p = 34)
+    and 1.6 kB at 0.2 MB/s (340, capped at 100: link-bound)."""
+    assert ako_strategy.P_OUTER == (8, 100)
+    G, numel = 361632, 90408
+    plans = [ako_strategy.Budget(b, 0.008, "given", *ako_strategy.P_OUTER).partitions("ring", 4, G, numel)
+             for b in (20e6, 2e6, 0.2e6)]  # fmt: skip
+    assert [p for p, _ in plans] == [8, 34, 100]
+    assert plans[0][1].endswith("so p = ceil(3.39) = 4, raised to 8: an outer step on windows of fewer steps loses")
+    assert plans[1][1].endswith("so p = ceil(33.90) = 34")
+    assert plans[2][1].startswith("link-bound: the link budget asks for p = 340, capped at 100")
+
 def test_the_plans_measurements_are_not_training_time(monkeypatch):
     """`MeasureStep` and `MeasureBandwidth` (p = auto's step time and link) pause the real
     runtime's training clock, as the simulator charges them no virtual time: 0.2 s each of

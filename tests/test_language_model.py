@@ -114,18 +114,18 @@ def test_ako_at_one_partition_in_lock_step_equals_allreduce_with_adamw(tmp_path,
     assert (deltas - expected).abs().max() > 1e-3
 
 
-OUTER = dict(update="deltas", outer_lr=0.8, outer_momentum=0.6)
-
-
-@pytest.mark.parametrize("form", ["auto", "outer"])
-def test_ako_with_adamw_ends_with_equal_replicas_and_trains(tmp_path, corpus, form):
-    """Defaults (p = auto, s = 1) with AdamW, whose auto form is windows of gradients
-    (all-to-all at 2 workers), and windows of deltas with the outer step (the ring): the
-    replicas are one after the final call, and the validation loss falls from the start's."""
-    settings = OUTER if form == "outer" else {}
-    result = ako.train(lm_config(tmp_path, corpus, strategy="ako", eval_every=1.0, epochs=4.0, **settings))
-    assert result.workers[0].facts["exchange"] == ("ring" if form == "outer" else "all-to-all")
-    assert result.summary["windows"] == ("deltas with an outer step (lr 0.8, momentum 0.6)" if form == "outer" else "gradients")
+@pytest.mark.parametrize("exchange", ["auto", "all-to-all"])
+def test_ako_with_adamw_ends_with_equal_replicas_and_trains(tmp_path, corpus, exchange):
+    """Defaults (p = auto, s = 1) with AdamW: windows of deltas with the outer step on the ring
+    (p at least 8), and on all-to-all windows of gradients: the replicas are one after the final
+    call, and the validation loss falls from the start's."""
+    result = ako.train(lm_config(tmp_path, corpus, strategy="ako", eval_every=1.0, epochs=4.0, exchange=exchange))
+    facts = result.workers[0].facts
+    if exchange == "auto":
+        assert (facts["exchange"], facts["partitions"]) == ("ring", 8)
+        assert result.summary["windows"] == "deltas with an outer step (lr 0.8, momentum 0.6)"
+    else:
+        assert (facts["exchange"], result.summary["windows"]) == ("all-to-all", "gradients")
     first, last = result.workers[0].params, result.workers[1].params
     assert torch.equal(first, last)
     records = [json.loads(line) for line in (Path(result.summary["run_dir"]) / "metrics.jsonl").read_text().splitlines()]

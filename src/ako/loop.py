@@ -53,7 +53,7 @@ from ako.runtime.distributed.runtime import DistributedRuntime
 from ako.runtime.distributed.scripts import FAILED_KEY, LAUNCHER_ENV, SETTINGS_ENV, STRATEGY_KEY
 from ako.runtime.loop import LoopDriver, UserOptimization
 from ako.strategies import STRATEGIES, ServerContext, WorkerContext
-from ako.strategies.ako import auto_update
+from ako.strategies.ako import default_form
 
 NEEDS_THE_BATCH = {  # strategies a loop cannot run, and why
     "absp": "its partial steps need ako to own the batch (ako train --strategy absp)",
@@ -201,9 +201,11 @@ def _config(strategy: str | None, settings: dict, world: int, optimizer) -> tupl
                          "ako run --servers S (or give servers=S to wrap and start S more processes)")  # fmt: skip
     servers = int(given.get("servers") or 0) if server_side else 0
     if name == "ako":
-        given.setdefault("update", "auto")
-        if given["update"] == "auto":  # as ako.form takes it, with the loop's optimizer
-            given["update"] = auto_update(type(optimizer) is torch.optim.SGD)
+        # as ako.form takes it, but with the loop's optimizer (the config's is ako train's default)
+        adaptive = type(optimizer) is not torch.optim.SGD
+        update, (lr, momentum) = default_form(adaptive, given.get("exchange", "auto"), world, given.get("update", "auto"),
+                                              given.get("outer_lr"), given.get("outer_momentum"))  # fmt: skip
+        given.update(update=update, outer_lr=lr, outer_momentum=momentum)
     config = replace(TrainConfig(**given), workers=max(1, world - servers), model="custom", dataset="custom", progress=False)
     try:
         config = validate(config)

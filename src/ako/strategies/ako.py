@@ -22,13 +22,14 @@ quadratic, heavy-ball with its update delayed one step is stable only for lr x c
 1 - momentum). Here the delay only corrects the difference between the own step and the mean.
 
 With an adaptive optimizer (AdamW) the mean of the workers' own steps is short (normalised steps
-on independent noise). `--outer-lr` and `--outer-momentum` pass each step's mean window m of
-deltas through an outer optimizer, SGD with Nesterov momentum as in DiLoCo (Douillard et al.,
-arXiv 2311.08105): b <- mu b + m, and the partition moves by lr (m + mu b) in place of the own
-window. That is Streaming DiLoCo (arXiv 2501.18512) with H = p fragments of one step each and
-tau = s, keeping the steps taken while a window travels; at p = 1, s = 0 it is DiLoCo with
-H = 1. It needs a step's whole mean at once: the ring. (`--update auto` takes DGA's windows of
-gradients for AdamW, see GradientSteps.)
+on independent noise). So by default (`default_form`) each step's mean window m of deltas goes
+through an outer optimizer, SGD with Nesterov momentum as in DiLoCo (Douillard et al., arXiv
+2311.08105): b <- mu b + m, and the partition moves by lr (m + mu b) in place of the own window
+(`--outer-lr` 0.8, `--outer-momentum` 0.6). That is Streaming DiLoCo (arXiv 2501.18512) with
+H = p fragments of one step each and tau = s, keeping the steps taken while a window travels;
+at p = 1, s = 0 it is DiLoCo with H = 1. Like DiLoCo's H, p then needs to span several steps
+(p = auto takes 8 to 100, P_OUTER). It needs a step's whole mean at once: the ring. On
+all-to-all, adaptive optimizers get DGA's windows of gradients (GradientSteps).
 
 Two exchanges of the windows (`--exchange`):
 - `all-to-all` (the paper's): each window goes to all n - 1 peers, (n-1) x G / p bytes per
@@ -92,6 +93,8 @@ RING_FROM = 8  # `--exchange auto`: the ring from this many workers on
 EXCHANGES = ("auto", "all-to-all", "ring")  # --exchange
 UPDATES = ("auto", "deltas", "gradients")  # --update
 PLAIN_SWAP = (1.0, 0.0)  # (outer lr, outer momentum) of Ako's own swap: no outer step
+OUTER_STEP = (0.8, 0.6)  # ... and of its outer step, the default for optimizers other than sgd (docs/results.md)
+P_OUTER = (8, 100)  # p = auto with an outer step: at least 8 (shorter windows lost), at most DiLoCo's H = 100
 
 
 def worker(ctx):
@@ -268,21 +271,26 @@ def own_steps(ctx) -> LocalSteps:
 
 def form(config) -> tuple[str, tuple[float, float]]:
     """What a window carries and the outer step on each mean window: (deltas or gradients,
-    (outer lr, outer momentum)), (1, 0) being the plain swap unless `--outer-lr` or
-    `--outer-momentum` say otherwise; `--update auto` is `auto_update`'s."""
-    update = config.update
+    (outer lr, outer momentum)); `default_form`'s for the run's optimizer, exchange and workers,
+    with `--update`, `--outer-lr` and `--outer-momentum` where given."""
+    adaptive = not (config.optimizer == "sgd" and config.optimizer_fn is None)
+    return default_form(adaptive, config.exchange, config.workers, config.update, config.outer_lr, config.outer_momentum)
+
+
+def default_form(adaptive: bool, exchange: str, workers: int, update: str = "auto", outer_lr: float | None = None,
+                 outer_momentum: float | None = None) -> tuple[str, tuple[float, float]]:  # fmt: skip
+    """`form` for an optimizer `adaptive` or not (sgd). sgd: windows of deltas, the plain swap (at
+    p = 1, s = 0 that is all-reduce, sgd's step being linear in its gradients). Any other
+    (AdamW): windows of deltas with the outer step OUTER_STEP on the ring; but windows of
+    gradients (DGA's form) where `exchange` is all-to-all, which never holds a step's whole mean,
+    and no outer step for a single worker, which has nothing to average. Measured
+    (docs/results.md): with AdamW the outer step at p >= 8 beat windows of gradients on the
+    small and the default gpt, 4 to 64 workers."""
+    outer_fits = adaptive and exchange != "all-to-all" and workers > 1
     if update == "auto":
-        update = auto_update(config.optimizer == "sgd" and config.optimizer_fn is None)
-    lr = 1.0 if config.outer_lr is None else config.outer_lr
-    return update, (lr, 0.0 if config.outer_momentum is None else config.outer_momentum)
-
-
-def auto_update(linear: bool) -> str:
-    """`--update auto`: deltas for an optimizer `linear` in its gradients (sgd: at p = 1, s = 0
-    that is all-reduce), gradients for any other (AdamW's step is not linear). (Deltas with an
-    outer step won on the small gpt at 8 and 16 workers and lost on the default gpt at 4 and
-    8: docs/results.md; not a default.)"""
-    return "deltas" if linear else "gradients"
+        update = "gradients" if adaptive and not outer_fits else "deltas"
+    lr, momentum = OUTER_STEP if outer_fits and update == "deltas" else PLAIN_SWAP
+    return update, (lr if outer_lr is None else outer_lr, momentum if outer_momentum is None else outer_momentum)
 
 
 def average_replicas(ctx, dead: set[int], always: bool = False):
@@ -538,8 +546,9 @@ def choose_plan(ctx):
     with p <= p_max, and the ring (fewer bytes whatever n) from RING_FROM workers on or where
     all-to-all would not fit. p from --partitions, or Ako's auto rule (Ako, sec. 3): the
     smallest p whose traffic fits the link budget B x T_step, with the most constrained
-    worker's step time and link (agreed by one all-reduce), capped at `p_max`; the reason starts
-    "link-bound: ..." when the cap binds, i.e. the steps will wait for the link."""
+    worker's step time and link (agreed by one all-reduce), capped at `p_max`, or between the
+    bounds P_OUTER with an outer step; the reason starts "link-bound: ..." when the cap binds,
+    i.e. the steps will wait for the link."""
     n, c = ctx.world_size, ctx.config
     ring_only = form(c)[1] != PLAIN_SWAP  # an outer step needs each step's whole mean
     if n == 1:
@@ -553,7 +562,8 @@ def choose_plan(ctx):
     bandwidth = given if given is not None else (yield MeasureBandwidth(ctx.replica.grad_bytes))
     worst = torch.tensor([-step_time, -bandwidth], dtype=torch.float64)
     yield AllReduce(worst, "max")
-    budget = Budget(-worst[1].item(), -worst[0].item(), "given" if given is not None else "measured", p_max(c.step_samples))
+    bounds = P_OUTER if ring_only else (1, p_max(c.step_samples))
+    budget = Budget(-worst[1].item(), -worst[0].item(), "given" if given is not None else "measured", *bounds)
     numel = ctx.replica.numel
     grad_bytes = CODECS[c.compress].nbytes(numel)  # a window's bytes as they travel (`--compress`)
     if c.exchange != "auto":
@@ -581,28 +591,30 @@ def p_max(step_samples: int) -> int:
 @dataclass(frozen=True)
 class Budget:
     """A worker's link budget: `bandwidth` (bytes/s, `source` given or measured) times the
-    measured seconds of a step, `step_time`; `cap` is the most partitions it may ask for."""
+    measured seconds of a step, `step_time`; p is at least `floor` and at most `cap`."""
 
     bandwidth: float
     step_time: float
     source: str
+    floor: int = 1
     cap: int = P_MAX
 
     def partitions(self, exchange: str, n: int, grad_bytes: int, numel: int) -> tuple[int, str]:
         """p for `exchange`: (n-1) x G / p bytes a step all-to-all, 2 (n-1)/n x G / p on the
-        ring must fit B x T_step; capped at `cap`. Returns (p, why)."""
+        ring must fit B x T_step; at least `floor`, at most `cap`. Returns (p, why)."""
         need = (n - 1) * grad_bytes if exchange == "all-to-all" else 2 * (n - 1) * grad_bytes / n
+        floor = min(self.floor, numel)
         if math.isinf(self.bandwidth):
-            return 1, "auto: the link is free (a simulated link without --bandwidth), so p = 1"
+            return floor, f"auto: the link is free (a simulated link without --bandwidth), so p = 1{raised(floor)}"
         wanted = auto_partitions(need, self.bandwidth, self.step_time, numel)
-        p = min(wanted, self.cap)
+        p = min(max(wanted, floor), self.cap)
         what = "(n-1) x gradient" if exchange == "all-to-all" else "2 (n-1)/n x gradient (ring)"
         b, t = self.bandwidth, self.step_time
-        if p == wanted:
+        if p >= wanted:
             return p, (
                 f"auto: {what} = {need / 1e6:.2f} MB per step must fit B x T_step = {b / 1e6:.4g} MB/s "
                 f"({self.source}) x {t * 1e3:.3g} ms (a step's compute) = {b * t / 1e6:.3g} MB, "
-                f"so p = ceil({need / (b * t):.2f}) = {p}"
+                f"so p = ceil({need / (b * t):.2f}) = {wanted}{raised(p) if p > wanted else ''}"
             )
         per_step = need / p
         return p, (
@@ -612,6 +624,11 @@ class Budget:
             "link the steps wait for it"
         )
 
+
+
+def raised(p: int) -> str:
+    """Why p = auto is above what the link needs: an outer step's floor (P_OUTER)."""
+    return f", raised to {p}: an outer step on windows of fewer steps loses" if p > 1 else ""
 
 def summarise(reports: list[dict]) -> dict:
     """Over all workers: the partial steps that left samples waiting (`partial_steps`) and the
@@ -628,7 +645,7 @@ STRATEGY = Strategy(
     check=check,
     summarise=summarise,
     options=(
-        Option(name="partitions", help="number of gradient partitions p, or auto (the link budget's, at most 8; 4 below 16 samples a step)",
+        Option(name="partitions", help="number of gradient partitions p, or auto (the link budget's, at most 8, 4 below 16 samples a step; with an outer step 8 to 100)",
                check=Integer("partitions", 1, auto=True)),
         Option(name="exchange", help="all-to-all (every peer gets each window), ring (an all-reduce of each window), "
                "or auto (ring from 8 workers on, with an outer step, or where all-to-all would not fit the link)",
@@ -642,15 +659,16 @@ STRATEGY = Strategy(
         Option(name="compress", help="how a window travels: none (float32), bf16, int8 (a scale per 128 values) or "
                "fp4 (E3M0, a scale per 128 values); what a lossy code leaves out stays in the accumulator (all-to-all) or "
                "a residual (ring) and goes later (error feedback); the final flush goes in float32", choices=COMPRESSIONS),
-        # no defaults here (None is lr 1, momentum 0): config.toml would record them, and diloco would take them from there
+        # no defaults here (None is default_form's): config.toml would record them, and diloco would take them from there
         Option(name="outer_lr", help="the outer optimizer's lr on each mean window of deltas, on the ring "
-               "(Streaming DiLoCo's outer step with H = p; default 1: the plain swap; on the ring, so a lost worker ends the run; "
-               "0.8 with momentum 0.6 measured with AdamW)", check=Number("outer_lr", 1e-6, 100.0)),
-        Option(name="outer_momentum", help="the outer optimizer's Nesterov momentum (default 0)",
+               "(Streaming DiLoCo's outer step with H = p; on the ring, so a lost worker ends the run; default 0.8 for "
+               "optimizers other than sgd, 1 for sgd: the plain swap, no outer step)", check=Number("outer_lr", 1e-6, 100.0)),
+        Option(name="outer_momentum", help="the outer optimizer's Nesterov momentum (default 0.6 for optimizers other than sgd, "
+               "0 for sgd)",
                check=Number("outer_momentum", 0.0, 0.999)),
         Option(name="update", help="what a window carries: deltas (each worker's own optimizer steps), gradients "
                "(the optimizer steps on the gradient plus the peers' corrections: all-reduce at p = 1, s = 0 for any "
-               "optimizer), or auto (deltas for sgd, gradients for the others)", choices=UPDATES),
+               "optimizer), or auto (deltas; for optimizers other than sgd gradients where --exchange is all-to-all)", choices=UPDATES),
     ),
     paper="Watcharapichat et al., SoCC 2016; the update as delayed gradient averaging (Zhu et al., NeurIPS 2021)",
 )  # fmt: skip
