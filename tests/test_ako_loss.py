@@ -34,7 +34,8 @@ class _Replica:
 def _worker(rank: int, n: int):
     replica = _Replica()
     config = SimpleNamespace(micro_batch=4, step_samples=4,  # whole steps: no partial ones
-                             update="deltas", compress="none", outer_lr=None, outer_momentum=None)
+                             update="deltas", compress="none", outer_lr=None, outer_momentum=None,
+                             optimizer="sgd", optimizer_fn=None, exchange="all-to-all", workers=n)
     ctx = WorkerContext(rank, n, replica, config, lambda: replica.steps >= STEPS)
     parts = [(0, 3), (3, NUMEL)]
     return ctx, ako_strategy._all_to_all(ctx, parts, 1)
