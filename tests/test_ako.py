@@ -241,7 +241,7 @@ def test_auto_with_an_outer_step_takes_8_to_100_partitions():
     plans = [ako_strategy.Budget(b, 0.008, "given", *ako_strategy.P_OUTER).partitions("ring", 4, G, numel)
              for b in (20e6, 2e6, 0.2e6)]  # fmt: skip
     assert [p for p, _ in plans] == [8, 34, 100]
-    assert plans[0][1].endswith("so p = ceil(3.39) = 4, raised to 8: an outer step on windows of fewer steps loses")
+    assert plans[0][1].endswith("so p = ceil(3.39) = 4, raised to 8: an outer step needs windows of at least 8 steps (fewer trained worse)")
     assert plans[1][1].endswith("so p = ceil(33.90) = 34")
     assert plans[2][1].startswith("link-bound: the link budget asks for p = 340, capped at 100")
 

@@ -572,7 +572,8 @@ def choose_plan(ctx):
     if n < RING_FROM and not reason.startswith("link-bound") and not ring_only:
         return "all-to-all", p, reason
     p, reason = budget.partitions("ring", n, grad_bytes, numel)
-    why = (f"{n} workers" if n >= RING_FROM else "an outer step needs each step's whole mean" if ring_only
+    why = (f"there are {n} workers (the ring from {RING_FROM} on)" if n >= RING_FROM
+           else "an outer step needs each step's whole mean" if ring_only
            else f"all-to-all would need more than p = {budget.cap}")  # fmt: skip
     return "ring", p, f"{reason}; the ring, as {why}"
 
@@ -628,7 +629,7 @@ class Budget:
 
 def raised(p: int) -> str:
     """Why p = auto is above what the link needs: an outer step's floor (P_OUTER)."""
-    return f", raised to {p}: an outer step on windows of fewer steps loses" if p > 1 else ""
+    return f", raised to {p}: an outer step needs windows of at least {p} steps (fewer trained worse)" if p > 1 else ""
 
 def summarise(reports: list[dict]) -> dict:
     """Over all workers: the partial steps that left samples waiting (`partial_steps`) and the
