@@ -91,7 +91,7 @@ _FLAGS = {
         {"action": "append"},
     ),
     "timeout": ("seconds any wait may take: a worker silent that long is dropped where the strategy goes on without it "
-                f"({', '.join(s.name for s in REGISTRY.values() if s.survives_loss)}), else the run fails", {}),
+                f"({', '.join(s.name for s in REGISTRY.values() if s.survives_loss)}; ako on all-to-all only), else the run fails", {}),
     "seed": ("random seed (model initialisation and data order)", {}),
     "backend": ("auto (nccl with CUDA, else gloo), gloo or nccl", {}),
     "out_dir": ("where run directories are made", {}),
