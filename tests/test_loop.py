@@ -96,12 +96,12 @@ def _rank_pid(launcher: subprocess.Popen, rank: int, deadline: float) -> int:
     raise AssertionError(f"no process of rank {rank} appeared")
 
 
-def _kill_rank_while_training(tmp_path: Path, strategy: str, workers: int = 3) -> tuple[subprocess.CompletedProcess, float]:
+def _kill_rank_while_training(tmp_path: Path, strategy: str, workers: int = 3, *flags: str) -> tuple[subprocess.CompletedProcess, float]:
     """`ako run` of the script, 60 steps of 50 ms, with rank 1 killed once training is under
     way (rank 0's run directory exists); returns the outcome and its seconds."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
     command = [sys.executable, "-m", "ako", "run", "--workers", str(workers), "--strategy", strategy, "--timeout", "20",
-               SCRIPT, str(tmp_path), "60", "0.05"]  # fmt: skip
+               *flags, SCRIPT, str(tmp_path), "60", "0.05"]  # fmt: skip
     started = time.monotonic()
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
     try:
@@ -117,6 +117,15 @@ def _kill_rank_while_training(tmp_path: Path, strategy: str, workers: int = 3) -
         if launcher.poll() is None:
             launcher.kill()
     return subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr), time.monotonic() - started
+
+
+def test_a_killed_rank_under_akos_ring_ends_the_run_in_one_line_naming_it(tmp_path):
+    """On the ring (as AdamW's default takes) a loss is not survived: the launcher names the
+    killed rank once, as failed, not as lost first nor the rank that met the loss."""
+    out, elapsed = _kill_rank_while_training(tmp_path, "ako", 3, "--exchange", "ring")
+    assert out.returncode == 1 and elapsed < 60, (out.returncode, elapsed)
+    lines = [line for line in out.stderr.splitlines() if line.startswith("ako run:") and "rank" in line]
+    assert lines == ["ako run: worker rank 1 failed: killed by SIGKILL"], out.stderr
 
 
 @pytest.mark.parametrize("strategy", ["ako", "gossip"])

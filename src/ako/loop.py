@@ -50,7 +50,7 @@ from ako.runtime.distributed.mailbox import Dropped, comm_error
 from ako.runtime.distributed.process import RUN_DIR_KEY, join_process_group, startup_timeout
 from ako.runtime.distributed.replicas import MailboxReplicas
 from ako.runtime.distributed.runtime import DistributedRuntime
-from ako.runtime.distributed.scripts import FAILED_KEY, LAUNCHER_ENV, SETTINGS_ENV, STRATEGY_KEY
+from ako.runtime.distributed.scripts import FAILED_KEY, LAUNCHER_ENV, SETTINGS_ENV, STRATEGY_KEY, SURVIVES_KEY
 from ako.runtime.loop import LoopDriver, UserOptimization
 from ako.strategies import STRATEGIES, ServerContext, WorkerContext
 from ako.strategies.ako import default_form
@@ -301,14 +301,15 @@ class Loop:
             else:
                 store = dist.distributed_c10d._get_default_store()
             self.store = store
-            self.runtime = DistributedRuntime(rank, world, config.timeout, device, self.strategy.survives_loss, n, startup)
+            self.runtime = DistributedRuntime(rank, world, config.timeout, device, self.strategy.survives(config), n, startup)
             liveness.record(store, rank)
             self.runtime.mailbox.whereabouts = lambda r: liveness.whereabouts(store, r)
             self.runtime.broadcast(self.replica.params)  # every replica starts as rank 0's, as DDP's do
             for buffer in model.buffers():
                 self.runtime.broadcast(buffer)
             if rank == 0:
-                store.set(STRATEGY_KEY, config.strategy)  # for `ako run`: whether a worker's loss is survived
+                store.set(STRATEGY_KEY, config.strategy)
+                store.set(SURVIVES_KEY, str(int(self.strategy.survives(config))))  # for `ako run`: is a loss survived
             self.run_dir = self._run_dir(out_dir) if rank == 0 else None
             self.runtime.barrier()
             self.runtime.started()

@@ -293,6 +293,16 @@ def default_form(adaptive: bool, exchange: str, workers: int, update: str = "aut
     return update, (lr if outer_lr is None else outer_lr, momentum if outer_momentum is None else outer_momentum)
 
 
+def survives_loss(config) -> bool:
+    """Whether the run goes on without a lost worker: on all-to-all, not on the ring, which
+    `choose_plan` takes for sure with `--exchange ring`, an outer step, or from RING_FROM workers
+    on. (Where it takes the ring only because all-to-all would not fit the link, this says True
+    and the loss still ends the run.)"""
+    if config.exchange != "auto":
+        return config.exchange == "all-to-all"
+    return form(config)[1] == PLAIN_SWAP and config.workers < RING_FROM
+
+
 def average_replicas(ctx, dead: set[int], always: bool = False):
     """Make the surviving replicas the same after a loss. Without one the flush has made them
     equal (to float rounding); after one, a lost worker's last windows may have reached some
@@ -642,7 +652,7 @@ STRATEGY = Strategy(
     name="ako",
     worker=worker,
     replicas_differ=True,
-    survives_loss=True,
+    survives_loss=survives_loss,
     check=check,
     summarise=summarise,
     options=(

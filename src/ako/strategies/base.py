@@ -98,7 +98,8 @@ class Strategy:
     `replicas_differ`: the workers' replicas are not kept equal, so the records and summary
     also hold their consensus distance and the accuracy of their average (weighted by each
     worker's `average_weight` fact, when its program returns one: push-sum gossip).
-    `survives_loss`: the run carries on when a worker other than rank 0 dies.
+    `survives_loss`: the run carries on when a worker other than rank 0 dies; a function of
+    the run's config where that depends on its settings (`survives`).
     `lockstep`: every rank runs the same iteration at once (allreduce, bsp, absp), so a
     checkpoint resumes exactly; a rank that gets the call for one too late skips it.
     `options`: the settings only this strategy (and others declaring them) takes.
@@ -112,10 +113,14 @@ class Strategy:
     worker: WorkerProgram
     server: ServerProgram | None = None
     replicas_differ: bool = False
-    survives_loss: bool = False
+    survives_loss: bool | Callable[[Any], bool] = False
     lockstep: bool = False
     options: tuple[Option, ...] = ()
     check: ConfigCheck | None = None
     summarise: Callable[[list[dict]], dict] | None = None
     paper: str = ""
     optimizer_on: str = "workers"
+
+    def survives(self, config: TrainConfig) -> bool:
+        """Whether a run with `config` carries on when a worker other than rank 0 dies."""
+        return self.survives_loss(config) if callable(self.survives_loss) else self.survives_loss

@@ -119,7 +119,7 @@ def launch(job: Job, processes: int) -> dict[int, WorkerResult]:
     rank's result. Raises WorkerFailed when a worker fails, unless the strategy survives the
     loss of a worker other than rank 0 (the others then carry on; rank 0 reports the loss)."""
     workers = job.config.workers
-    survivable = range(1, workers) if job.strategy.survives_loss else ()
+    survivable = range(1, workers) if job.strategy.survives(job.config) else ()
     results = launch_function(
         rank_entry, processes, job, timeout=job.config.timeout, survivable=survivable,
         role=lambda rank: "worker" if rank < workers else "server",

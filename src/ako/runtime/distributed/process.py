@@ -174,7 +174,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     replica = job.build_replica(data, device)
     job.validate(data, replica)
     try:
-        runtime = DistributedRuntime(rank, world, config.timeout, device, strategy.survives_loss, n, startup_timeout(config.timeout))
+        runtime = DistributedRuntime(rank, world, config.timeout, device, strategy.survives(config), n, startup_timeout(config.timeout))
         liveness.record(store, rank)
         runtime.mailbox.whereabouts = partial(liveness.whereabouts, store)
         runtime.broadcast(replica.params)  # identical replicas, whatever the model factory did

@@ -35,6 +35,7 @@ SETTINGS_ENV = "AKO_LOOP"  # the run's settings, JSON, for the script's `ako.wra
 LAUNCHER_ENV = "AKO_RUN"  # set for the scripts: a failure goes to the store, and the launcher prints it
 FAILED_KEY = "ako/loop/failed/"  # + rank: a process's one-line failure
 STRATEGY_KEY = "ako/loop/strategy"  # the strategy rank 0 runs (when `ako run` was not told)
+SURVIVES_KEY = "ako/loop/survives"  # "1" where the run rank 0 set up goes on without a lost worker
 EXIT_FAILED, EXIT_BAD_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 _POLL = 0.1  # seconds between looks at the processes
 _USAGE_GRACE = 5.0  # seconds the other ranks get to end after one reported bad usage (rank 0 prints it)
@@ -116,16 +117,19 @@ class _Watch:
         return _exit_status(code) if code else "exited without finishing"
 
     def survives(self, rank: int) -> bool:
-        """Whether the job goes on without `rank`: a worker other than rank 0 under a strategy
-        that survives a loss."""
-        name = self.strategy
-        if name is None:
-            try:
-                name = self.store.get(STRATEGY_KEY).decode() if self.store.check([STRATEGY_KEY]) else None
-            except RuntimeError:
-                name = None
+        """Whether the job goes on without `rank`: a worker other than rank 0 in a run that
+        survives a loss, as rank 0 put it in the store once its settings were known (Ako on the
+        ring does not); before that, as the strategy says of most runs."""
+        said, name = self._stored(SURVIVES_KEY), self.strategy or self._stored(STRATEGY_KEY)
         strategy = STRATEGIES.get(name) if name else None
-        return 0 < rank < self.workers and strategy is not None and strategy.survives_loss
+        survives = said == "1" if said is not None else strategy is not None and bool(strategy.survives_loss)
+        return 0 < rank < self.workers and survives
+
+    def _stored(self, key: str) -> str | None:
+        try:
+            return self.store.get(key).decode() if self.store.check([key]) else None
+        except RuntimeError:
+            return None
 
     def run(self) -> int:
         running = set(self.procs)
