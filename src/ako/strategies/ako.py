@@ -636,10 +636,10 @@ class Budget:
         )
 
 
-
 def raised(p: int) -> str:
     """Why p = auto is above what the link needs: an outer step's floor (P_OUTER)."""
     return f", raised to {p}: an outer step needs windows of at least {p} steps (fewer trained worse)" if p > 1 else ""
+
 
 def summarise(reports: list[dict]) -> dict:
     """Over all workers: the partial steps that left samples waiting (`partial_steps`) and the
