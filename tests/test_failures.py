@@ -26,7 +26,7 @@ from helpers import default_sigint, descendants, find_process, gone, run_and_kil
 import ako
 from ako.config import PARAMETER_SERVER, STRATEGIES, TrainConfig, load_toml
 from ako.metrics import format_summary
-from ako.runtime.distributed import checkpoint
+from ako.runtime.distributed import checkpoint, launcher
 
 SURVIVES = {"ako", "gossip", "asp", "easgd"}  # carry on without a dead worker
 DETERMINISTIC = {"allreduce", "bsp"}
@@ -139,6 +139,44 @@ def test_a_lost_worker_under_the_ring_is_named_as_the_cause(tmp_path):
     code, _, err, elapsed = run_and_kill(cmd, "ako-rank1", out_dir, ready=ready)
     assert code == 1 and elapsed < 20, (code, elapsed)
     assert [line for line in err.splitlines() if "rank" in line] == ["ako: worker rank 1 failed: killed by SIGKILL"], err
+
+
+def _dies_at_start(started: bool) -> int:
+    """A launched process: rank 1 dies (SIGKILL). Unless `started`, the others then wait 60 s
+    for a key no one sets, as ranks forming their process groups wait for a lost one; with
+    `started`, rank 0 first marks the job started (its first step) and the others return."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from ako.runtime.distributed import liveness
+
+    rank = int(os.environ["RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=60))  # fmt: skip
+    if started:
+        if rank == 0:
+            liveness.mark_started(store)
+        store.wait([liveness.STARTED_KEY])
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if not started:
+        store.wait(["never set"])
+    return rank
+
+
+def test_a_worker_lost_before_training_begins_ends_the_job_at_once(capfd):
+    """Before rank 0's first step no strategy goes on without a worker: the others are still
+    starting (process groups, the plan's collectives) and would wait out the start-up timeout
+    for it. The launcher ends the job when the worker dies, in one line naming it; from the
+    first step on, the same loss is survived where the strategy survives it."""
+    began = time.monotonic()
+    with pytest.raises(launcher.WorkerFailed, match=r"^worker rank 1 failed: killed by SIGKILL before training began$"):
+        launcher.launch_function(_dies_at_start, 3, False, timeout=60.0, survivable=(1, 2))
+    assert time.monotonic() - began < 20  # not the others' 60 s
+    assert "lost" not in capfd.readouterr().err
+    assert launcher.launch_function(_dies_at_start, 3, True, timeout=60.0, survivable=(1, 2)) == {0: 0, 2: 2}
+    assert "ako: worker rank 1 lost: killed by SIGKILL" in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("strategy,rank", [("ako", 2), ("allreduce", 2), ("gossip", 0)])

@@ -387,8 +387,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     servers = settings.get("servers") or 0
     if not (isinstance(servers, int) or str(servers).isdigit()):
         raise ConfigError(f"servers {servers!r}: must be an integer from 1 to 1024")
-    strategy = given.get("strategy")
-    return run_script(args.script, args.script_args, config.workers, int(servers), strategy, json.dumps(settings), config.timeout)
+    return run_script(args.script, args.script_args, config.workers, int(servers), json.dumps(settings), config.timeout)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

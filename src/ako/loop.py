@@ -50,7 +50,7 @@ from ako.runtime.distributed.mailbox import Dropped, comm_error
 from ako.runtime.distributed.process import RUN_DIR_KEY, join_process_group, startup_timeout
 from ako.runtime.distributed.replicas import MailboxReplicas
 from ako.runtime.distributed.runtime import DistributedRuntime
-from ako.runtime.distributed.scripts import FAILED_KEY, LAUNCHER_ENV, SETTINGS_ENV, STRATEGY_KEY, SURVIVES_KEY
+from ako.runtime.distributed.scripts import FAILED_KEY, LAUNCHER_ENV, SETTINGS_ENV, SURVIVES_KEY
 from ako.runtime.loop import LoopDriver, UserOptimization
 from ako.strategies import STRATEGIES, ServerContext, WorkerContext
 from ako.strategies.ako import default_form
@@ -307,12 +307,12 @@ class Loop:
             self.runtime.broadcast(self.replica.params)  # every replica starts as rank 0's, as DDP's do
             for buffer in model.buffers():
                 self.runtime.broadcast(buffer)
-            if rank == 0:
-                store.set(STRATEGY_KEY, config.strategy)
-                store.set(SURVIVES_KEY, str(int(self.strategy.survives(config))))  # for `ako run`: is a loss survived
             self.run_dir = self._run_dir(out_dir) if rank == 0 else None
             self.runtime.barrier()
             self.runtime.started()
+            if rank == 0:  # for `ako run`, from the first step on: is a lost worker survived
+                survives = str(int(self.strategy.survives(config)))
+                self.runtime.on_first_step = lambda: store.set(SURVIVES_KEY, survives)
         except (RuntimeError, dist.DistError) as e:
             self._fail(RuntimeError(f"the workers did not all get ready within {startup:g} s: {comm_error(e)}"))
         self.runtime.clock.begin()

@@ -134,6 +134,7 @@ class LoopDriver:
 
     def _execute(self, op):
         if isinstance(op, COMPUTE_POINTS):
+            self.runtime.first_step()
             return (yield op)  # suspended: the user's loop computes, `step` or `finish` answers
         if isinstance(op, ComputePartial):
             raise RuntimeError("a partial step needs ako to own the batch: off in your own loop")

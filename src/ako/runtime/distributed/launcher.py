@@ -26,9 +26,9 @@ from ako.config import ConfigError
 from ako.data import DataError
 from ako.run.outcome import WorkerResult
 from ako.runtime.distributed import forkserver, quiet
-from ako.runtime.distributed.liveness import is_stopped
+from ako.runtime.distributed.liveness import has_started, is_stopped
 from ako.runtime.distributed.mailbox import comm_error
-from ako.runtime.distributed.process import END, RUN_DIR_KEY, JobEnded, StartupFailed, run_rank
+from ako.runtime.distributed.process import END, RUN_DIR_KEY, JobEnded, run_rank
 from ako.run.job import Job
 from ako.strategies.ops import PeerLost
 
@@ -53,7 +53,6 @@ class RankFailed:
     lines of ranks that only met another's failure are left out."""
 
     line: str
-    fatal: bool = False  # it failed before training began: the job cannot carry on without it
 
 
 _RESULTS = None  # a launched process's pipe to the launcher (set by `_child`)
@@ -71,7 +70,7 @@ def rank_entry(job: Job) -> WorkerResult:
         # Often this worker only noticed another's death: give the launcher a moment to see
         # that one first, so that its report names the root cause.
         time.sleep(1.0)
-        failure = RankFailed(one_line(e), fatal=isinstance(e, StartupFailed))
+        failure = RankFailed(one_line(e))
         if _RESULTS is None:  # not launched by `launch_function`
             print(f"ako: rank {os.environ.get('RANK', '?')}: {failure.line}", file=sys.stderr)
         else:
@@ -157,7 +156,7 @@ def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable
         try:
             for rank in range(processes):
                 group.start(context, fn, args, rank, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-            return group.watch(set(survivable), role, timeout)
+            return group.watch(set(survivable), role, timeout, started=lambda: has_started(store))
         except KeyboardInterrupt as interrupt:
             try:
                 handed_in = group.interrupted()
@@ -200,10 +199,12 @@ class _Group:
         sender.close()
         self.procs[rank], self.pipes[rank] = proc, receiver
 
-    def watch(self, survivable: set[int], role, timeout: float) -> dict:
+    def watch(self, survivable: set[int], role, timeout: float, started=lambda: True) -> dict:
         """Collect results until every process has ended; raise WorkerFailed on a failure that
-        ends the job. Once rank 0 has handed in its result (the run is over), a process that
-        has not ended `timeout` seconds later is stopped or hung: it is lost."""
+        ends the job: any before `started()` (the others would wait out the start-up timeout
+        for it), after that one of a rank not in `survivable`. Once rank 0 has handed in its
+        result (the run is over), a process that has not ended `timeout` seconds later is
+        stopped or hung: it is lost."""
         lost: dict[int, str] = {}
         running = set(self.procs)
         deadline = alone = math.inf
@@ -228,11 +229,13 @@ class _Group:
                 lost[rank] = failure.line if failure else _exit_status(code) if code else "exited without a result"
                 # a rank the job cannot lose (rank 0, a server) is stopped: that is why this one failed
                 vital_stopped = any(is_stopped(self.procs[r].pid) for r in running - survivable)
-                if rank in survivable and not (failure and failure.fatal) and not vital_stopped:
+                begun = started()
+                if rank in survivable and begun and not vital_stopped:
                     print(f"ako: {role(rank)} rank {rank} lost: {lost[rank]}", file=sys.stderr, flush=True)
                 else:
                     stopped = next((r for r in sorted(running) if is_stopped(self.procs[r].pid)), None)
-                    self._wind_up(running)
+                    if begun:  # rank 0 has metrics to log
+                        self._wind_up(running)
                     then = f" ({role(rank)} rank {rank}: {lost[rank]})"  # what the cause did to the job
                     if stopped is not None:  # the cause, rather than the rank that timed out on it
                         raise WorkerFailed(f"{role(stopped)} rank {stopped} failed: stopped (SIGSTOP or a debugger); "
@@ -240,7 +243,7 @@ class _Group:
                     first = min((r for r in lost if r != rank), default=None)
                     if first is not None:  # a loss the strategy could not survive after all (Ako's ring)
                         raise WorkerFailed(f"{role(first)} rank {first} failed: {lost[first]}; the others could not go on without it{then}")
-                    raise WorkerFailed(f"{role(rank)} rank {rank} failed: {lost[rank]}")
+                    raise WorkerFailed(f"{role(rank)} rank {rank} failed: {lost[rank]}{'' if begun or failure else ' before training began'}")
         return self.results
 
     def _alone_and_stopped(self, running: set[int], since: float, timeout: float, role) -> float:

@@ -51,6 +51,25 @@ class StallClock:
         return ended + (min(open_gap, now - t) if open_gap > _STALL else 0.0)
 
 
+STARTED_KEY = "ako/started"  # in the job's store once rank 0 asks for its first step
+
+
+def mark_started(store) -> None:
+    """Rank 0, at its first training step: the start-up (the process groups, the start
+    barrier, the strategy's plan and its collectives) is over for every rank. A launcher
+    survives the loss of a worker only from then on: before, the others would wait out the
+    start-up timeout for the lost one."""
+    store.set(STARTED_KEY, "1")
+
+
+def has_started(store) -> bool:
+    """Whether rank 0 has marked the job started (`mark_started`); False if the store is gone."""
+    try:
+        return store.check([STARTED_KEY])
+    except RuntimeError:  # the store's own errors (DistStoreError is a RuntimeError)
+        return False
+
+
 def _key(rank: int) -> str:
     return f"ako/process/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
 

@@ -221,6 +221,8 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     with _starting(runtime.limit):
         runtime.barrier()  # start the clocks together
     runtime.started()
+    if rank == 0:  # from its first step on, the launcher lets a strategy go on without a lost worker
+        runtime.on_first_step = partial(liveness.mark_started, store)
     if state is not None:
         runtime.clock.begin(state.resumed[1], state.resumed_wall)
     else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import replace
 from datetime import timedelta
@@ -27,6 +28,7 @@ from ako.runtime.distributed.mailbox import Mailbox, Silent, comm_error
 from ako.strategies import ops
 from ako.strategies.tags import FINAL, PROBE, REPORT, RUN_STOP, SNAPSHOT, SNAPSHOT_REQUEST
 
+STEPS = (ops.Compute, ops.ComputeAllReduce, ops.ComputePartial)  # the operations of a training step
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 _PROBE_BYTES = (256 << 10, 4 << 20)  # a first probe is the gradient's size, within these bounds
 _PROBE_SECONDS = 0.05  # how long the probes after the first should take
@@ -99,6 +101,7 @@ class DistributedRuntime:
         self.clock = WallClock()
         self.checkpoints: checkpoint.Checkpoints | None = None  # with --checkpoint-every
         self._buckets: dict[int, _Buckets] = {}  # by bucket bytes, for `ops.ComputeAllReduce`
+        self.on_first_step: Callable[[], None] | None = None  # see `first_step`
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.limit))
         peers = [r for r in range(world_size) if r != rank]
         self.mailbox = Mailbox(rank, peers, group, timeout, self._stop_requested, self._checkpoint_called, workers)
@@ -143,6 +146,8 @@ class DistributedRuntime:
     def execute(self, op):
         """Carry out one operation of `ako.strategies.ops` and return its result (a generator,
         as `base.drive` wants, that never yields: every wait blocks, within `timeout`)."""
+        if self.on_first_step is not None and isinstance(op, STEPS):
+            self.first_step()
         match op:
             case ops.Compute():
                 return (yield from compute(self.state, self._gradient))
@@ -261,6 +266,13 @@ class DistributedRuntime:
         """Copy rank `src`'s `tensor` into every worker's, in place (deadline `timeout`)."""
         dist.broadcast(tensor, src, async_op=True).wait(timedelta(seconds=self.limit))
         return tensor
+
+    def first_step(self) -> None:
+        """The program asks for its first training step: its plan, and the collectives in it
+        that no rank may miss, are done. Calls `on_first_step` (once)."""
+        callback, self.on_first_step = self.on_first_step, None
+        if callback is not None:
+            callback()
 
     def started(self) -> None:
         """Training begins: from now on every wait is bounded by `timeout`."""

@@ -7,9 +7,9 @@ in SETTINGS_ENV for its `ako.wrap`. Ranks from `workers` on are the parameter
 servers (easgd, ssp, asp): the same script, whose `wrap` runs the server instead of returning.
 
 A process that fails is named in one line: its own line (a worker's failure goes to the store,
-FAILED_KEY), or how it ended. Where the strategy goes on without a worker (ako,
-gossip, easgd, asp) the loss of one other than rank 0 is reported and the others carry on;
-otherwise the others are stopped and the run fails. A process stopped (SIGSTOP) is dropped by
+FAILED_KEY), or how it ended. Where the strategy goes on without a worker (Ako on
+all-to-all, gossip, easgd, asp) the loss of one other than rank 0 once training has begun is
+reported and the others carry on; otherwise the others are stopped and the run fails. A process stopped (SIGSTOP) is dropped by
 the others after the timeout; once rank 0 has finished, one that has not ended within the
 timeout is stopped and named. Bad usage in the script's `wrap` (exit status 2, its line printed
 by the script) ends the job with status 2.
@@ -29,26 +29,22 @@ import torch.distributed as dist
 
 from ako.runtime.distributed.launcher import _exit_status
 from ako.runtime.distributed.liveness import is_stopped
-from ako.strategies import STRATEGIES
 
 SETTINGS_ENV = "AKO_LOOP"  # the run's settings, JSON, for the script's `ako.wrap` (they override its keywords)
 LAUNCHER_ENV = "AKO_RUN"  # set for the scripts: a failure goes to the store, and the launcher prints it
 FAILED_KEY = "ako/loop/failed/"  # + rank: a process's one-line failure
-STRATEGY_KEY = "ako/loop/strategy"  # the strategy rank 0 runs (when `ako run` was not told)
-SURVIVES_KEY = "ako/loop/survives"  # "1" where the run rank 0 set up goes on without a lost worker
+SURVIVES_KEY = "ako/loop/survives"  # once training has begun: "1" where the run goes on without a lost worker
 EXIT_FAILED, EXIT_BAD_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 _POLL = 0.1  # seconds between looks at the processes
 _USAGE_GRACE = 5.0  # seconds the other ranks get to end after one reported bad usage (rank 0 prints it)
 _PR_SET_PDEATHSIG = 1
 
 
-def run_script(script: str, args: list[str], workers: int, servers: int, strategy: str | None, settings_json: str,
-               timeout: float) -> int:  # fmt: skip
+def run_script(script: str, args: list[str], workers: int, servers: int, settings_json: str, timeout: float) -> int:
     """Run `script` with `args` on `workers` + `servers` processes; returns the exit status:
     0 (rank 0 finished; lost workers were reported), 1 (a process failed and the job could not go
     on), 2 (bad usage), 130 (Ctrl-C or SIGTERM). `settings_json` goes to every process's
-    environment (SETTINGS_ENV); `strategy` is the run's, when given (else the one rank 0 puts
-    under STRATEGY_KEY in the store)."""
+    environment (SETTINGS_ENV)."""
     processes = workers + servers
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout), wait_for_workers=False)
     env = {
@@ -58,7 +54,7 @@ def run_script(script: str, args: list[str], workers: int, servers: int, strateg
         LAUNCHER_ENV: "1",
     }  # fmt: skip
     procs: dict[int, subprocess.Popen] = {}
-    watch = _Watch(procs, workers, strategy, store, timeout)
+    watch = _Watch(procs, workers, store, timeout)
     try:
         for rank in range(processes):
             procs[rank] = subprocess.Popen(
@@ -94,8 +90,8 @@ def _stop(procs: dict[int, subprocess.Popen]) -> None:
 class _Watch:
     """What became of each process, and the one line for each failure."""
 
-    def __init__(self, procs, workers: int, strategy: str | None, store, timeout: float):
-        self.procs, self.workers, self.strategy, self.store, self.timeout = procs, workers, strategy, store, timeout
+    def __init__(self, procs, workers: int, store, timeout: float):
+        self.procs, self.workers, self.store, self.timeout = procs, workers, store, timeout
 
     def role(self, rank: int) -> str:
         return "worker" if rank < self.workers else "server"
@@ -118,12 +114,10 @@ class _Watch:
 
     def survives(self, rank: int) -> bool:
         """Whether the job goes on without `rank`: a worker other than rank 0 in a run that
-        survives a loss, as rank 0 put it in the store once its settings were known (Ako on the
-        ring does not); before that, as the strategy says of most runs."""
-        said, name = self._stored(SURVIVES_KEY), self.strategy or self._stored(STRATEGY_KEY)
-        strategy = STRATEGIES.get(name) if name else None
-        survives = said == "1" if said is not None else strategy is not None and bool(strategy.survives_loss)
-        return 0 < rank < self.workers and survives
+        survives a loss (Ako on the ring does not), as rank 0 puts it in the store once every
+        rank has passed the start barrier. Before that no loss is survived: the others would
+        wait out the start-up timeout for the lost one."""
+        return 0 < rank < self.workers and self._stored(SURVIVES_KEY) == "1"
 
     def _stored(self, key: str) -> str | None:
         try:
