@@ -231,19 +231,24 @@ def test_auto_caps_p_and_says_when_the_link_binds(tmp_path):
 
 
 
-def test_auto_with_an_outer_step_takes_8_to_100_partitions():
-    """With an outer step (P_OUTER) p = auto is the link's p raised to at least 8 and capped at
-    100: on the ring at 4 workers a gradient of G = 361632 bytes needs 1.5 G = 542448 bytes a
-    step, against B x T_step = 160 kB at 20 MB/s (p = 4, raised to 8), 16 kB at 2 MB/s (p = 34)
-    and 1.6 kB at 0.2 MB/s (340, capped at 100: link-bound)."""
-    assert ako_strategy.P_OUTER == (8, 100)
+def test_auto_with_an_outer_step_takes_8_to_100_partitions_and_fewer_for_small_steps():
+    """With an outer step p = auto is the link's p raised to at least 8 and capped at 100, and
+    at 4 x a step's samples (`p_outer`): on the ring at 4 workers a gradient of G = 361632 bytes
+    needs 1.5 G = 542448 bytes a step, against B x T_step = 160 kB at 20 MB/s (p = 4, raised to
+    8), 16 kB at 2 MB/s (p = 34) and 1.6 kB at 0.2 MB/s (340, capped at 100: link-bound); with
+    8 samples a step the cap is 32, with 2 it is the floor 8."""
+    assert [ako_strategy.p_outer(samples) for samples in (64, 25, 16, 8, 2, 1)] == [
+        (8, 100), (8, 100), (8, 64), (8, 32), (8, 8), (8, 8)]  # fmt: skip
     G, numel = 361632, 90408
-    plans = [ako_strategy.Budget(b, 0.008, "given", *ako_strategy.P_OUTER).partitions("ring", 4, G, numel)
+    plans = [ako_strategy.Budget(b, 0.008, "given", *ako_strategy.p_outer(32)).partitions("ring", 4, G, numel)
              for b in (20e6, 2e6, 0.2e6)]  # fmt: skip
     assert [p for p, _ in plans] == [8, 34, 100]
     assert plans[0][1].endswith("so p = ceil(3.39) = 4, raised to 8: an outer step needs windows of at least 8 steps (fewer trained worse)")
     assert plans[1][1].endswith("so p = ceil(33.90) = 34")
     assert plans[2][1].startswith("link-bound: the link budget asks for p = 340, capped at 100")
+    p, why = ako_strategy.Budget(2e6, 0.008, "given", *ako_strategy.p_outer(8)).partitions("ring", 4, G, numel)
+    assert p == 32 and why.startswith("link-bound: the link budget asks for p = 34, capped at 32")
+
 
 def test_the_plans_measurements_are_not_training_time(monkeypatch):
     """`MeasureStep` and `MeasureBandwidth` (p = auto's step time and link) pause the real

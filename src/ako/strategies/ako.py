@@ -28,7 +28,7 @@ through an outer optimizer, SGD with Nesterov momentum as in DiLoCo (Douillard e
 (`--outer-lr` 0.8, `--outer-momentum` 0.6). That is Streaming DiLoCo (arXiv 2501.18512) with
 H = p fragments of one step each and tau = s, keeping the steps taken while a window travels;
 at p = 1, s = 0 it is DiLoCo with H = 1. Like DiLoCo's H, p then needs to span several steps
-(p = auto takes 8 to 100, P_OUTER). It needs a step's whole mean at once: the ring. On
+(p = auto takes 8 to 100, fewer for small steps: `p_outer`). It needs a step's whole mean at once: the ring. On
 all-to-all, adaptive optimizers get DGA's windows of gradients (GradientSteps).
 
 Two exchanges of the windows (`--exchange`):
@@ -94,7 +94,8 @@ EXCHANGES = ("auto", "all-to-all", "ring")  # --exchange
 UPDATES = ("auto", "deltas", "gradients")  # --update
 PLAIN_SWAP = (1.0, 0.0)  # (outer lr, outer momentum) of Ako's own swap: no outer step
 OUTER_STEP = (0.8, 0.6)  # ... and of its outer step, the default for optimizers other than sgd (docs/results.md)
-P_OUTER = (8, 100)  # p = auto with an outer step: at least 8 (shorter windows lost), at most DiLoCo's H = 100
+P_OUTER = (8, 100)  # p = auto with an outer step: at least 8 (shorter windows lost), at most DiLoCo's H = 100 ...
+OUTER_CAP_PER_SAMPLE = 4  # ... and at most 4 x a step's samples (`p_outer`)
 
 
 def worker(ctx):
@@ -557,7 +558,7 @@ def choose_plan(ctx):
     all-to-all would not fit. p from --partitions, or Ako's auto rule (Ako, sec. 3): the
     smallest p whose traffic fits the link budget B x T_step, with the most constrained
     worker's step time and link (agreed by one all-reduce), capped at `p_max`, or between the
-    bounds P_OUTER with an outer step; the reason starts "link-bound: ..." when the cap binds,
+    bounds `p_outer` with an outer step; the reason starts "link-bound: ..." when the cap binds,
     i.e. the steps will wait for the link."""
     n, c = ctx.world_size, ctx.config
     ring_only = form(c)[1] != PLAIN_SWAP  # an outer step needs each step's whole mean
@@ -572,7 +573,7 @@ def choose_plan(ctx):
     bandwidth = given if given is not None else (yield MeasureBandwidth(ctx.replica.grad_bytes))
     worst = torch.tensor([-step_time, -bandwidth], dtype=torch.float64)
     yield AllReduce(worst, "max")
-    bounds = P_OUTER if ring_only else (1, p_max(c.step_samples))
+    bounds = p_outer(c.step_samples) if ring_only else (1, p_max(c.step_samples))
     budget = Budget(-worst[1].item(), -worst[0].item(), "given" if given is not None else "measured", *bounds)
     numel = ctx.replica.numel
     grad_bytes = CODECS[c.compress].nbytes(numel)  # a window's bytes as they travel (`--compress`)
@@ -597,6 +598,19 @@ def p_max(step_samples: int) -> int:
     p = 4 reached 80% in 0.5-0.9x the time at 8 to 32 workers of 64 to 16 samples, but at 64
     workers of 8 samples p = 8 diverged on one seed of two (p = 4 trained on all three)."""
     return P_MAX if step_samples >= SMALL_BATCH else P_MAX_SMALL_BATCH
+
+
+def p_outer(step_samples: int) -> tuple[int, int]:
+    """(floor, cap) of p = auto with an outer step, for workers of `step_samples` samples a
+    step: at least 8, at most 100 (DiLoCo's H) and 4 x step_samples (the floor where that is
+    less). A window sums p of a worker's own steps; AdamW's steps have about lr's size however
+    noisy, so windows of many small steps drift. Measured in the simulator (docs/results.md,
+    "Ako against DiLoCo", GPT, 10 Mbit/s, where the link asks for more): at 16 workers of 8
+    sequences p = 73 never reached the target loss in 3 epochs, p = 32 did (in 0.35x Streaming
+    DiLoCo's time), p = 16 later; at 8 workers of 16, p = 34 did; at 64 workers of 2, p = 31 ended
+    higher than p = 4."""
+    low, high = P_OUTER
+    return low, max(low, min(high, OUTER_CAP_PER_SAMPLE * step_samples))
 
 
 @dataclass(frozen=True)
@@ -637,7 +651,7 @@ class Budget:
 
 
 def raised(p: int) -> str:
-    """Why p = auto is above what the link needs: an outer step's floor (P_OUTER)."""
+    """Why p = auto is above what the link needs: an outer step's floor (`p_outer`)."""
     return f", raised to {p}: an outer step needs windows of at least {p} steps (fewer trained worse)" if p > 1 else ""
 
 
@@ -656,7 +670,7 @@ STRATEGY = Strategy(
     check=check,
     summarise=summarise,
     options=(
-        Option(name="partitions", help="number of gradient partitions p, or auto (the link budget's, at most 8, 4 below 16 samples a step; with an outer step 8 to 100)",
+        Option(name="partitions", help="number of gradient partitions p, or auto (the link budget's, at most 8, 4 below 16 samples a step; with an outer step 8 to 100, at most 4 x a step's samples)",
                check=Integer("partitions", 1, auto=True)),
         Option(name="exchange", help="all-to-all (every peer gets each window), ring (an all-reduce of each window), "
                "or auto (ring from 8 workers on, with an outer step, or where all-to-all would not fit the link)",
