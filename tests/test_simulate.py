@@ -277,6 +277,10 @@ def test_the_summary_gives_the_spread_of_per_worker_figures_at_many_workers():
     simulated = format_summary({**s, "train_seconds": 0.0046, "time_to_accuracy": {"0.5": 0.0046}, "simulation": {}})
     assert " in 0.0046 virtual s of training" in simulated and "samples/virtual s;" in simulated
     assert "time to accuracy 50%: 0.0046 virtual s" in simulated and "sent per worker  0.00 MB/virtual s" in simulated
+    tie = {"source": "rank 0's replica before the flush", "metric": "loss", "flushed_loss": 2.48052, "unflushed_loss": 2.48049}
+    assert "(loss 2.48049): the flush made the replicas worse (2.48052)" in format_summary({**s, "final_model": tie})
+    tie = {**tie, "flushed_loss": 2.5, "unflushed_loss": 2.4}  # apart at 4 decimals: as every figure
+    assert "(loss 2.4000): the flush made the replicas worse (2.5000)" in format_summary({**s, "final_model": tie})
 
 def test_calibrate_makes_the_profile_s_directory_or_says_why_not(tmp_path, capsys):
     out = tmp_path / "new" / "dir" / "profile.toml"

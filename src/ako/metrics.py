@@ -237,7 +237,7 @@ def format_summary(s: dict) -> str:
     if s.get("final_model"):
         m = s["final_model"]
         name = m["metric"]
-        flushed, unflushed = figure(m[f"flushed_{name}"]), figure(m[f"unflushed_{name}"])
+        flushed, unflushed = figures_apart(m[f"flushed_{name}"], m[f"unflushed_{name}"])
         if m["source"] == "the replicas after the flush":
             lines.append(f"  final model      the replicas after the flush ({name} {flushed}; rank 0's before it {unflushed})")
         else:
@@ -396,9 +396,18 @@ def finite(record):
     return None if isinstance(record, float) and not math.isfinite(record) else record
 
 
-def figure(x) -> str:
+def figure(x, decimals: int = 4) -> str:
     """A metric as printed: 4 decimals, or "n/a" where it diverged (NaN, infinite, None)."""
-    return f"{x:.4f}" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a (diverged)"
+    return f"{x:.{decimals}f}" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a (diverged)"
+
+
+def figures_apart(a, b) -> tuple[str, str]:
+    """Two metrics as printed, with up to 6 decimals where 4 would print different values alike."""
+    for decimals in (4, 5, 6):
+        x, y = figure(a, decimals), figure(b, decimals)
+        if x != y:
+            break
+    return x, y
 
 
 def _rounded(x: float | None) -> float | None:
