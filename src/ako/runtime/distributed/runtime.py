@@ -87,6 +87,8 @@ class DistributedRuntime:
     dropped, and only a `Recv` that waits on it (or on anyone, when every peer is dead) fails.
     """
 
+    on_first_step: Callable[[], None] | None = None  # see `first_step`
+
     def __init__(
         self, rank: int, world_size: int, timeout: float, device: torch.device, survives_loss: bool = False,
         workers: int | None = None, startup: float | None = None,
@@ -101,7 +103,6 @@ class DistributedRuntime:
         self.clock = WallClock()
         self.checkpoints: checkpoint.Checkpoints | None = None  # with --checkpoint-every
         self._buckets: dict[int, _Buckets] = {}  # by bucket bytes, for `ops.ComputeAllReduce`
-        self.on_first_step: Callable[[], None] | None = None  # see `first_step`
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.limit))
         peers = [r for r in range(world_size) if r != rank]
         self.mailbox = Mailbox(rank, peers, group, timeout, self._stop_requested, self._checkpoint_called, workers)
