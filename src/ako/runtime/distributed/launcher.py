@@ -199,7 +199,7 @@ class _Group:
         sender.close()
         self.procs[rank], self.pipes[rank] = proc, receiver
 
-    def watch(self, survivable: set[int], role, timeout: float, started=lambda: True) -> dict:
+    def watch(self, survivable: set[int], role, timeout: float, started) -> dict:
         """Collect results until every process has ended; raise WorkerFailed on a failure that
         ends the job: any before `started()` (the others would wait out the start-up timeout
         for it), after that one of a rank not in `survivable`. Once rank 0 has handed in its

@@ -9,10 +9,10 @@ servers (easgd, ssp, asp): the same script, whose `wrap` runs the server instead
 A process that fails is named in one line: its own line (a worker's failure goes to the store,
 FAILED_KEY), or how it ended. Where the strategy goes on without a worker (Ako on
 all-to-all, gossip, easgd, asp) the loss of one other than rank 0 once training has begun is
-reported and the others carry on; otherwise the others are stopped and the run fails. A process stopped (SIGSTOP) is dropped by
-the others after the timeout; once rank 0 has finished, one that has not ended within the
-timeout is stopped and named. Bad usage in the script's `wrap` (exit status 2, its line printed
-by the script) ends the job with status 2.
+reported and the others carry on; otherwise the others are stopped and the run fails. A
+process stopped (SIGSTOP) is dropped by the others after the timeout; once rank 0 has
+finished, one that has not ended within the timeout is stopped and named. Bad usage in the
+script's `wrap` (exit status 2, its line printed by the script) ends the job with status 2.
 """
 
 from __future__ import annotations
@@ -114,9 +114,9 @@ class _Watch:
 
     def survives(self, rank: int) -> bool:
         """Whether the job goes on without `rank`: a worker other than rank 0 in a run that
-        survives a loss (Ako on the ring does not), as rank 0 puts it in the store once every
-        rank has passed the start barrier. Before that no loss is survived: the others would
-        wait out the start-up timeout for the lost one."""
+        survives a loss (Ako on the ring does not), as rank 0 puts it in the store at its first
+        step (after the start-up and the strategy's plan). Before that no loss is survived: the
+        others would wait out the start-up timeout for the lost one."""
         return 0 < rank < self.workers and self._stored(SURVIVES_KEY) == "1"
 
     def _stored(self, key: str) -> str | None:
