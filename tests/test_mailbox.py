@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ako.runtime.distributed.process import join_process_group
 from ako.runtime.distributed.launcher import launch_function
-from ako.runtime.distributed.liveness import is_stopped
+from ako.runtime.distributed.liveness import first_report, is_stopped
 from ako.runtime.distributed.mailbox import Mailbox, Silent
 from ako.runtime.distributed.replicas import MailboxReplicas
 from ako.run.evaluation import snapshots_kept
@@ -122,6 +122,13 @@ def test_the_stall_clock_counts_the_time_the_process_was_stopped():
     first, whole, later = map(float, proc.communicate(timeout=30)[0].split())
     assert 1.5 < first < 4.5 and 1.5 < whole < 4.5 and abs(first - whole) < 0.3, (first, whole)
     assert later == 0.0
+
+
+def test_a_dropped_worker_is_reported_by_the_first_peer_only():
+    """Two peers that time out on one stopped worker together: only the first says so; a
+    second worker dropped later is reported too."""
+    store = dist.HashStore()
+    assert [first_report(store, 1), first_report(store, 1), first_report(store, 2)] == [True, False, True]
 
 
 class _Outbox:

@@ -93,6 +93,15 @@ def is_stopped(pid: int) -> bool:
     return process_state(pid) in ("T", "t")
 
 
+def first_report(store, rank: int) -> bool:
+    """Whether this process is the first to report `rank` dropped: two peers that time out on
+    it together would each say so. True when the store is gone (better twice than never)."""
+    try:
+        return store.add(f"{_key(rank)}/dropped", 1) == 1
+    except Exception:  # noqa: BLE001 - the store's own errors, or it is gone
+        return True
+
+
 def whereabouts(store, rank: int) -> str:
     """What became of `rank`, silent for the timeout: "stopped" (stopped on this machine),
     "died" (its process is gone from this machine) or "silent" (it runs on another machine, or

@@ -109,6 +109,7 @@ class Mailbox:
         self.silent: set[int] = set()
         self.how: dict[int, str] = {}  # rank -> "died", or what `whereabouts` found when it was dropped
         self.whereabouts: Callable[[int], str] = lambda rank: "silent"
+        self.first_report: Callable[[int], bool] = lambda rank: True  # whether to say a drop (one peer says it)
         self.dropped: str | None = None  # why the others went on without this worker
         self.stalls = StallClock()
         self.told: set[int] = set()  # losses already reported to a tolerant program
@@ -265,8 +266,9 @@ class Mailbox:
         with self.send_lock:  # not `send`: this may run inside its `_settle`
             for other in told:
                 self._post_quietly(other, DROPPED, peer)
-        loss = {"rank": peer, "role": self._role(peer), "how": how, "reason": f"{reason}; found by rank {self.rank}"}
-        print(f"ako: {loss_text(loss)}", file=sys.stderr, flush=True)  # as the launcher says a death: when it happens
+        if self.first_report(peer):  # as the launcher says a death: when it happens, once
+            loss = {"rank": peer, "role": self._role(peer), "how": how, "reason": f"{reason}; found by rank {self.rank}"}
+            print(f"ako: {loss_text(loss)}", file=sys.stderr, flush=True)
 
     def get(self, tag: int, src: int | None, timeout: float, tolerant: bool = False, awaiting=frozenset()) -> Message:
         """Wait for the next message with `tag` from `src`, as long as `src` shows signs of life

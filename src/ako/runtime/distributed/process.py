@@ -177,6 +177,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
         runtime = DistributedRuntime(rank, world, config.timeout, device, strategy.survives(config), n, startup_timeout(config.timeout))
         liveness.record(store, rank)
         runtime.mailbox.whereabouts = partial(liveness.whereabouts, store)
+        runtime.mailbox.first_report = partial(liveness.first_report, store)
         runtime.broadcast(replica.params)  # identical replicas, whatever the model factory did
     except (RuntimeError, dist.DistError) as e:
         raise StartupFailed(f"the workers did not all get ready within {startup_timeout(config.timeout):g} s: {comm_error(e)}") from None
