@@ -323,6 +323,7 @@ def test_own_model_by_name_under_torchrun_and_in_a_sweep_cell(tmp_path):
     (["--optimizer", "adam", "--optimizer-arg", "amsgrad=yes"], "optimizer_args amsgrad 'yes' (--optimizer-arg): adam's amsgrad is true or false"),
     (["--optimizer-arg", "lr=0.01"], "optimizer_args 'lr': give it as --lr"),
     (["--warmup", "1000", "--epochs", "1"], "warmup 1000: 1000 optimizer steps, longer than the run's 12"),
+    (["--strategy", "ako", "--partitions", "13", "--epochs", "1"], "partitions 13: more than the run's 12 steps a worker"),
     (["--lr-schedule", "exp"], "lr_schedule 'exp': choose one of constant, step, cosine, linear"),
     (["--warmup", "ten"], "warmup 'ten': expected optimizer steps"),
     (["--target", "loss<0.3"], "target 'loss<0.3': expected a metric, >= or <="),

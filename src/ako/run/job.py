@@ -228,6 +228,9 @@ class Job:
         warm, planned = warmup_steps(c, self.steps_per_epoch(data)), self.planned_steps(data)
         if self.scheduler_fn is None and warm > planned:
             raise ConfigError(f"warmup {c.warmup}: {warm} optimizer steps, longer than the run's {planned}")
+        if c.strategy == "ako" and isinstance(c.partitions, int) and c.partitions > planned:
+            raise ConfigError(f"partitions {c.partitions}: more than the run's {planned} steps a worker (each partition "
+                              f"is exchanged once every p steps): at most {planned}")  # fmt: skip
 
 
 def _not_custom(setting: str, value, give: str | None = None) -> None:
