@@ -16,6 +16,7 @@ import threading
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
+from functools import partial
 from datetime import timedelta
 
 import numpy as np
@@ -26,7 +27,7 @@ from ako.config import ConfigError
 from ako.data import DataError
 from ako.run.outcome import WorkerResult
 from ako.runtime.distributed import forkserver, quiet
-from ako.runtime.distributed.liveness import has_started, is_stopped
+from ako.runtime.distributed.liveness import has_started, is_stopped, record_cause
 from ako.runtime.distributed.mailbox import comm_error
 from ako.runtime.distributed.process import END, RUN_DIR_KEY, JobEnded, run_rank
 from ako.run.job import Job
@@ -156,7 +157,8 @@ def launch_function(fn, processes: int, *args, timeout: float = 60.0, survivable
         try:
             for rank in range(processes):
                 group.start(context, fn, args, rank, {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-            return group.watch(set(survivable), role, timeout, started=lambda: has_started(store))
+            return group.watch(set(survivable), role, timeout, started=lambda: has_started(store),
+                               survived=partial(record_cause, store))
         except KeyboardInterrupt as interrupt:
             try:
                 handed_in = group.interrupted()
@@ -199,10 +201,11 @@ class _Group:
         sender.close()
         self.procs[rank], self.pipes[rank] = proc, receiver
 
-    def watch(self, survivable: set[int], role, timeout: float, started) -> dict:
+    def watch(self, survivable: set[int], role, timeout: float, started, survived) -> dict:
         """Collect results until every process has ended; raise WorkerFailed on a failure that
         ends the job: any before `started()` (the others would wait out the start-up timeout
-        for it), after that one of a rank not in `survivable`. Once rank 0 has handed in its
+        for it), after that one of a rank not in `survivable`; a loss the job survives goes to
+        `survived(rank, how)` (for the summary). Once rank 0 has handed in its
         result (the run is over), a process that has not ended `timeout` seconds later is
         stopped or hung: it is lost."""
         lost: dict[int, str] = {}
@@ -232,6 +235,7 @@ class _Group:
                 begun = started()
                 if rank in survivable and begun and not vital_stopped:
                     print(f"ako: {role(rank)} rank {rank} lost: {lost[rank]}", file=sys.stderr, flush=True)
+                    survived(rank, lost[rank])
                 else:
                     stopped = next((r for r in sorted(running) if is_stopped(self.procs[r].pid)), None)
                     if begun:  # rank 0 has metrics to log

@@ -93,6 +93,27 @@ def is_stopped(pid: int) -> bool:
     return process_state(pid) in ("T", "t")
 
 
+def record_cause(store, rank: int, cause: str) -> None:
+    """The launcher, which saw `rank`'s process end: how ("killed by SIGKILL"), for the
+    summary's lost line, where rank 0 knows only the broken connection."""
+    try:
+        store.set(f"{_key(rank)}/cause", cause)
+    except Exception:  # noqa: BLE001 - the store's own errors: the summary keeps rank 0's reason
+        pass
+
+
+def with_cause(store, loss: dict) -> dict:
+    """`loss` (`Mailbox.losses`) with the launcher's cause as the reason of a rank that died,
+    where it has recorded one (`record_cause`)."""
+    key = f"{_key(loss['rank'])}/cause"
+    try:
+        if loss["how"] == "died" and store.check([key]):
+            return {**loss, "reason": store.get(key).decode()}
+    except Exception:  # noqa: BLE001 - the store is gone or broken: rank 0's own reason
+        pass
+    return loss
+
+
 def first_report(store, rank: int) -> bool:
     """Whether this process is the first to report `rank` dropped: two peers that time out on
     it together would each say so. True when the store is gone (better twice than never)."""

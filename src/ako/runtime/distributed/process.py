@@ -243,7 +243,7 @@ def _train(job: Job, rank: int, world: int, device: torch.device, store: dist.St
     runtime.close()
     result = WorkerResult(rank, replica.params.cpu().clone(), facts)
     if rank == 0:
-        lost = runtime.mailbox.losses()
+        lost = [liveness.with_cause(store, loss) for loss in runtime.mailbox.losses()]  # the launcher saw how
         finishing = time.perf_counter()
         result.summary, result.model, model = final_summary(job, data, state, reports, finals, facts, lost, run_dir, point,
                                                             restarted)  # fmt: skip
