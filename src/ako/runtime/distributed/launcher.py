@@ -214,7 +214,7 @@ class _Group:
         while running:
             if 0 in self.results and deadline == math.inf:
                 deadline = time.monotonic() + timeout
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or (deadline < math.inf and self._all_stopped(running)):
                 self._give_up(running, survivable, role, timeout)
                 break
             alone = self._alone_and_stopped(running, alone, timeout, role)
@@ -298,8 +298,13 @@ class _Group:
             mp_connection.wait([self.procs[0].sentinel] + ([] if handed_in else [self.pipes[0]]), timeout=left)
             self._read(0)
 
+    def _all_stopped(self, running: set[int]) -> bool:
+        """Whether every process still running is stopped (SIGSTOP or a debugger): after rank 0
+        is done, none of them would end by itself, so there is nothing left to wait for."""
+        return all(is_stopped(self.procs[r].pid) for r in running)
+
     def _give_up(self, running: set[int], survivable: set[int], role, timeout: float) -> None:
-        """Rank 0 is done and these have not ended within `timeout`: fail on the first that
+        """Rank 0 is done and these have not ended within `timeout`, or are all stopped: fail on the first that
         had no result and is not survivable (the rest are lost, and stopped by `stop`)."""
         for rank in sorted(running - set(self.results)):
             if rank not in survivable:
