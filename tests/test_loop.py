@@ -96,13 +96,14 @@ def _rank_pid(launcher: subprocess.Popen, rank: int, deadline: float) -> int:
     raise AssertionError(f"no process of rank {rank} appeared")
 
 
-def _kill_rank_while_training(tmp_path: Path, strategy: str, workers: int = 3, *flags: str) -> tuple[subprocess.CompletedProcess, float]:
-    """`ako run` of the script, 60 steps of 50 ms, with rank 1 killed once training is under
-    way (rank 0's run directory exists); returns the outcome and its seconds."""
+def _kill_rank_while_training(tmp_path: Path, strategy: str, workers: int = 3, *flags: str, timeout: int = 20,
+                              sig: int = signal.SIGKILL) -> tuple[subprocess.CompletedProcess, float]:  # fmt: skip
+    """`ako run` of the script, 60 steps of 50 ms, with rank 1 killed (or sent `sig`) once
+    training is under way (rank 0's run directory exists); returns the outcome and the seconds
+    from the signal to the end."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
-    command = [sys.executable, "-m", "ako", "run", "--workers", str(workers), "--strategy", strategy, "--timeout", "20",
+    command = [sys.executable, "-m", "ako", "run", "--workers", str(workers), "--strategy", strategy, "--timeout", str(timeout),
                *flags, SCRIPT, str(tmp_path), "60", "0.05"]  # fmt: skip
-    started = time.monotonic()
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
     try:
         deadline = time.monotonic() + 120
@@ -111,12 +112,13 @@ def _kill_rank_while_training(tmp_path: Path, strategy: str, workers: int = 3, *
             assert time.monotonic() < deadline and launcher.poll() is None
             time.sleep(0.1)
         time.sleep(1.0)
-        os.kill(victim, signal.SIGKILL)
+        os.kill(victim, sig)
+        signalled = time.monotonic()
         stdout, stderr = launcher.communicate(timeout=120)
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    return subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr), time.monotonic() - started
+    return subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr), time.monotonic() - signalled
 
 
 def test_a_killed_rank_under_akos_ring_ends_the_run_in_one_line_naming_it(tmp_path):
@@ -137,6 +139,15 @@ def test_a_killed_rank_under_ako_run_is_named_and_the_others_finish(tmp_path, st
     assert (tmp_path / "rank0.pt").exists() and (tmp_path / "rank2.pt").exists() and not (tmp_path / "rank1.pt").exists()
     if strategy == "ako":  # the survivors' replicas are made one after the loss
         assert torch.allclose(torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank2.pt"), atol=1e-6, rtol=0)
+
+
+def test_a_stopped_rank_under_ako_run_is_dropped_and_not_waited_for_again(tmp_path):
+    """SIGSTOP: the others drop rank 1 after the timeout (5 s) and finish; the launcher then
+    gives it up at once (it would never end), not after a second timeout."""
+    out, elapsed = _kill_rank_while_training(tmp_path, "ako", 3, timeout=5, sig=signal.SIGSTOP)
+    assert out.returncode == 0, out.stderr
+    assert "ako run: worker rank 1 lost: stopped (SIGSTOP or a debugger); the others finished without it" in out.stderr
+    assert elapsed < 5 + 4, f"took {elapsed:.1f} s"
 
 
 def test_a_killed_rank_under_allreduce_fails_the_run_in_one_line_without_a_hang(tmp_path):

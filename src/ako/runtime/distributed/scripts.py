@@ -163,7 +163,8 @@ class _Watch:
                     first = min(usage)
                     print(f"ako run: {self.role(first)} rank {first}: bad usage (exit status 2)", file=sys.stderr, flush=True)
                 return EXIT_BAD_USAGE
-            if deadline is not None and time.monotonic() > deadline and running:
+            stopped = running and all(is_stopped(self.procs[r].pid) for r in running)  # none would end by itself
+            if deadline is not None and (time.monotonic() > deadline or stopped) and running:
                 return self._late(running)
         return 0
 
@@ -172,8 +173,9 @@ class _Watch:
         return any(is_stopped(self.procs[r].pid) for r in running if not (0 < r < self.workers))
 
     def _late(self, running: set[int]) -> int:
-        """Rank 0 finished `timeout` s ago and these have not ended: lost where the strategy
-        went on without them (they were dropped), else the run failed."""
+        """Rank 0 finished and these have not ended within `timeout` s (or are all stopped, and
+        never would): lost where the strategy went on without them (they were dropped), else
+        the run failed."""
         status = 0
         for rank in sorted(running):
             how = "stopped (SIGSTOP or a debugger)" if is_stopped(self.procs[rank].pid) else "stuck"
