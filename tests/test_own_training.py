@@ -76,6 +76,22 @@ def test_a_cosine_schedule_with_warmup_gives_torch_s_rates_and_resumes_at_its_st
     assert torch.equal(resumed_params, params)
 
 
+@pytest.mark.parametrize("strategy, optimizer, scaling, factor", [
+    ("gossip", "adamw", "auto", 2.0), ("asp", "adam", "auto", 2.0), ("ssp", "adamw", "auto", 2.0),
+    ("gossip", "sgd", "auto", 1.0), ("allreduce", "adamw", "auto", 1.0), ("ako", "adamw", "auto", 1.0),
+    ("easgd", "adamw", "auto", 2.0), ("diloco", "adamw", "auto", 1.0), ("gossip", "adamw", "none", 1.0), ("allreduce", "sgd", "sqrt", 2.0),
+    ("allreduce", "adamw", "linear", 4.0),
+])  # fmt: skip
+def test_lr_scaling_auto_takes_sqrt_n_where_the_workers_own_adaptive_steps_are_averaged(strategy, optimizer, scaling, factor):
+    """4 workers: the optimizer a worker builds steps at factor x the configured lr."""
+    from ako.strategies import STRATEGIES
+
+    config = validate(TrainConfig(strategy=strategy, workers=4, optimizer=optimizer, lr=0.01, lr_scaling=scaling,
+                                  **({"momentum": None, "nesterov": None, "weight_decay": None} if optimizer != "sgd" else {})))  # fmt: skip
+    built = Optimization(config, 8, averages_own_steps=STRATEGIES[strategy].averages_own_steps).build(torch.zeros(3))
+    assert built.lr == pytest.approx(0.01 * factor, rel=1e-12)
+
+
 def test_step_and_linear_schedules_and_the_linear_scaling_rule():
     config = validate(TrainConfig(workers=4, lr=0.1, lr_schedule="step", lr_gamma=0.5, lr_decay_epochs=0.5,
                                   lr_scaling="linear", epochs=2.0))  # fmt: skip

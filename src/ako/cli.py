@@ -74,7 +74,9 @@ _FLAGS = {
     "weight_decay": ("weight decay (default: 5e-4 for sgd, else torch's)", {}),
     "lr_schedule": ("learning-rate schedule, stepped every optimizer step: constant, step, cosine or linear", {}),
     "warmup": ("linear warm-up of the learning rate: optimizer steps (500) or epochs (0.5epochs)", {}),
-    "lr_scaling": ("linear: multiply the learning rate by the number of workers (Goyal et al. 2017); or none", {}),
+    "lr_scaling": ("linear: multiply the learning rate by the number of workers (Goyal et al. 2017); sqrt: by its "
+                   "square root; none; or auto: sqrt where the workers' own adaptive steps are averaged (gossip, "
+                   "easgd, ssp, asp with an optimizer other than sgd), else none", {}),
     "lr_gamma": ("step schedule: multiply the learning rate by this", {}),
     "lr_decay_epochs": ("step schedule: every this many epochs", {}),
     "epochs": ("stop after this many epochs (may be fractional)", {}),

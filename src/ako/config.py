@@ -63,7 +63,7 @@ class TrainConfig:
     optimizer_args: dict | None = None  # the optimizer's other settings, e.g. {betas = [0.9, 0.95]}
     lr_schedule: str = "constant"  # "step", "cosine" or "linear", stepped once per optimizer step
     warmup: str | None = None  # linear warm-up: optimizer steps ("500") or epochs ("0.5epochs")
-    lr_scaling: str = "none"  # "linear": lr x workers (Goyal et al. 2017)
+    lr_scaling: str = "auto"  # "linear": lr x workers (Goyal et al. 2017); "sqrt"; auto: sqrt for local adaptive steps
     lr_gamma: float = 0.1  # step schedule: the factor every lr_decay_epochs
     lr_decay_epochs: float = 1.0  # step schedule: epochs between decays
     epochs: float = 2.0

@@ -14,7 +14,9 @@ LAMB, Adafactor, Muon) sees one tensor; the strategies whose servers step shards
 
 Defaults: for `sgd`, ako's (lr 0.1, momentum 0.9, Nesterov, weight decay 5e-4); for the others,
 torch's own (Adam's lr 1e-3, ...). `--lr-scaling linear` multiplies the learning rate by the
-number of workers (Goyal et al. 2017, "Accurate, Large Minibatch SGD", section 2.1).
+number of workers (Goyal et al. 2017, "Accurate, Large Minibatch SGD", section 2.1), `sqrt` by
+its square root; `auto` (the default) takes `sqrt` where the model moves by the mean of the
+workers' own adaptive steps (`lr_factor`), else none.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "radam": torch.optim.RAdam, "rmsprop": torch.optim.RMSprop, "rprop": torch.optim.Rprop, "asgd": torch.optim.ASGD,
 }  # fmt: skip
 SCHEDULES = ("constant", "step", "cosine", "linear")
-LR_SCALINGS = ("none", "linear")
+LR_SCALINGS = ("auto", "none", "linear", "sqrt")
 SGD_DEFAULTS = {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4}
 _NOT_SETTABLE = {"params", "self", "foreach", "fused", "capturable", "differentiable"}  # how, not what
 
@@ -114,6 +116,7 @@ class Optimization:
     steps: int
     optimizer_fn: OptimizerFn | None = None
     scheduler_fn: SchedulerFn | None = None
+    averages_own_steps: bool = False  # the strategy's (`Strategy.averages_own_steps`), for lr_scaling auto
 
     @property
     def base_lr(self) -> float | None:
@@ -121,7 +124,7 @@ class Optimization:
         if self.optimizer_fn is not None:
             return None
         lr = optimizer_kwargs(self.config).get("lr", optimizer_settings(self.config.optimizer)["lr"])
-        return lr * (self.config.workers if self.config.lr_scaling == "linear" else 1)
+        return lr * lr_factor(self.config, self.averages_own_steps)
 
     def build(self, params: torch.Tensor) -> FlatOptimizer:
         """An optimizer (with its schedule) stepping `params` (numel,), in place: a leaf
@@ -145,6 +148,21 @@ class Optimization:
     def schedule(self, optimizer: torch.optim.Optimizer):
         """The configured schedule of `optimizer` over this run's steps."""
         return schedule(optimizer, self.config, self.steps)
+
+
+def lr_factor(config, averages_own_steps: bool) -> float:
+    """What `config.lr_scaling` multiplies the learning rate by: n (linear), sqrt(n) (sqrt),
+    1 (none), n the workers. auto: sqrt(n) where the strategy `averages_own_steps` and the
+    optimizer is adaptive (not sgd), else 1. Why: an adaptive step is normalised by the
+    gradient's own noise, so in the noise-dominated regime each worker's step on a batch of
+    B / n has the same length as one on the mean of n such batches, but a noisier direction,
+    and the mean of n of them is up to sqrt(n) shorter than the step on the mean gradient that
+    the learning rate was set for (`allreduce`). Measured on the gpt (docs/results.md,
+    "Language models")."""
+    n = config.workers
+    if config.lr_scaling == "auto":
+        return math.sqrt(n) if averages_own_steps and config.optimizer != "sgd" else 1.0
+    return {"linear": n, "sqrt": math.sqrt(n)}.get(config.lr_scaling, 1.0)
 
 
 def warmup_steps(config, steps_per_epoch: int) -> int:

@@ -168,7 +168,8 @@ class Job:
         return max(1, round(self.config.epochs * self.steps_per_epoch(data)))
 
     def optimization(self, data: Data) -> Optimization:
-        return Optimization(self.config, self.planned_steps(data), self.optimizer_fn, self.scheduler_fn)
+        return Optimization(self.config, self.planned_steps(data), self.optimizer_fn, self.scheduler_fn,
+                            self.strategy.averages_own_steps)  # fmt: skip
 
     def build_model(self, data: Data) -> nn.Module:
         """A fresh model, initialised from the run seed (identical on every worker). Raises

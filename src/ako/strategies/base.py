@@ -107,7 +107,10 @@ class Strategy:
     and `model`) cannot take (before any process starts). `summarise(per_rank)` adds strategy-specific totals to the summary.
     `paper`: where the algorithm comes from. `optimizer_on`: where the optimizer (and its
     schedule) runs: "workers" (any torch optimizer) or "servers" (each steps its shard: only
-    elementwise optimizers, `ako.optim.check_elementwise`)."""
+    elementwise optimizers, `ako.optim.check_elementwise`). `averages_own_steps`: the model
+    moves by the mean of the workers' own optimizer steps, each on its own batch (gossip,
+    easgd, ssp, asp), so `--lr-scaling auto` takes sqrt(n) x lr with an adaptive optimizer
+    (`ako.optim.lr_factor`)."""
 
     name: str
     worker: WorkerProgram
@@ -120,6 +123,7 @@ class Strategy:
     summarise: Callable[[list[dict]], dict] | None = None
     paper: str = ""
     optimizer_on: str = "workers"
+    averages_own_steps: bool = False
 
     def survives(self, config: TrainConfig) -> bool:
         """Whether a run with `config` carries on when a worker other than rank 0 dies."""

@@ -27,7 +27,9 @@ to all in log2(n) rounds (the fix of later work, e.g. GossipGraD, Daily et al. 2
 random gossip's uneven load and slow diffusion).
 
 Learning rate: each replica applies its own gradient at `lr`, so the replicas' average moves
-by lr * mean_i(g_i) per step, as under all-reduce.
+by lr * mean_i(g_i) per step, as under all-reduce (sgd). An adaptive optimizer's steps are
+normalised on each worker's own noise, and their mean is up to sqrt(n) shorter: `--lr-scaling
+auto` takes sqrt(n) x lr there (`ako.optim.lr_factor`).
 
 End: a worker that stops training sends DONE to every live peer, and keeps merging pushes
 (its runtime keeps answering pulls) until every live peer's DONE has arrived; so no push is
@@ -206,6 +208,7 @@ STRATEGY = Strategy(
     worker=worker,
     replicas_differ=True,
     survives_loss=True,
+    averages_own_steps=True,
     options=(
         Option(name="tau", help="steps between gossip rounds (default 1)", default=1, check=Integer("tau", 1, 1_000_000)),
         Option(name="gossip", help="pull (average with a peer's snapshot) or push-sum", choices=MODES),

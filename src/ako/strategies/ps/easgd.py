@@ -2,7 +2,8 @@
 Choromanska and LeCun, "Deep learning with elastic averaging SGD", NIPS 2015, Algorithm 1).
 
 Each worker runs local SGD with its own optimizer (momentum, Nesterov: the paper's EAMSGD) and the
-full `lr`. Every `tau` steps it sends its parameters w to the servers; a server computes d = alpha * (w - x) for its shard of the
+full `lr` (with an adaptive optimizer, sqrt(n) x lr under `--lr-scaling auto`, `ako.optim.lr_factor`:
+the centre averages the workers' own normalised steps). Every `tau` steps it sends its parameters w to the servers; a server computes d = alpha * (w - x) for its shard of the
 centre x, moves x += d at once (one atomic elastic update per exchange) and returns d; the
 worker moves w -= d. alpha = beta / n (the paper's choice beta = n * alpha, default beta 0.9).
 The optimizer state lives on the workers; the servers keep only x. The reported model is the
@@ -115,6 +116,7 @@ STRATEGY = Strategy(
     server=server,
     replicas_differ=True,
     survives_loss=True,
+    averages_own_steps=True,
     options=(
         SERVERS,
         Option(name="tau", help="steps between elastic averaging rounds, or auto (its servers' links allow; the default)",
