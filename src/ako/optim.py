@@ -151,8 +151,8 @@ class Optimization:
 
 
 def lr_factor(config, averages_own_steps: bool) -> float:
-    """What `config.lr_scaling` multiplies the learning rate by: n (linear), sqrt(n) (sqrt),
-    1 (none), n the workers. auto: sqrt(n) where the strategy `averages_own_steps` and the
+    """What `config.lr_scaling` multiplies the learning rate by, for n workers: n (linear),
+    sqrt(n) (sqrt), 1 (none); auto: sqrt(n) where the strategy `averages_own_steps` and the
     optimizer is adaptive (not sgd), else 1. Why: an adaptive step is normalised by the
     gradient's own noise, so in the noise-dominated regime each worker's step on a batch of
     B / n has the same length as one on the mean of n such batches, but a noisier direction,

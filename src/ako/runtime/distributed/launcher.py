@@ -16,8 +16,8 @@ import threading
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
-from functools import partial
 from datetime import timedelta
+from functools import partial
 
 import numpy as np
 import torch
@@ -304,8 +304,9 @@ class _Group:
         return all(is_stopped(self.procs[r].pid) for r in running)
 
     def _give_up(self, running: set[int], survivable: set[int], role, timeout: float) -> None:
-        """Rank 0 is done and these have not ended within `timeout`, or are all stopped: fail on the first that
-        had no result and is not survivable (the rest are lost, and stopped by `stop`)."""
+        """Rank 0 is done and these have not ended within `timeout`, or are all stopped: fail on
+        the first that had no result and is not survivable (the rest are lost, and stopped by
+        `stop`)."""
         for rank in sorted(running - set(self.results)):
             if rank not in survivable:
                 raise WorkerFailed(f"{role(rank)} rank {rank} failed: did not end within {timeout:g} s of rank 0 (stopped or hung)")
