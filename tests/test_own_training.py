@@ -92,6 +92,16 @@ def test_lr_scaling_auto_takes_sqrt_n_where_the_workers_own_adaptive_steps_are_a
     assert built.lr == pytest.approx(0.01 * factor, rel=1e-12)
 
 
+def test_the_summary_says_the_learning_rate_the_scaling_made(tmp_path, capfd):
+    code = main(["train", *SMALL, "--strategy", "gossip", "--optimizer", "adamw", "--lr", "0.003", "--epochs", "0.5",
+                 "--out-dir", str(tmp_path / "runs")])  # fmt: skip
+    assert code == 0
+    assert "  learning rate    0.004243 = --lr 0.003 x 1.414 (--lr-scaling auto: sqrt(workers)" in capfd.readouterr().out
+    [run_dir] = run_dirs(tmp_path)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["lr"], summary["lr_factor"], summary["lr_scaling"]) == (0.00424264, 1.41421, "auto")
+
+
 def test_step_and_linear_schedules_and_the_linear_scaling_rule():
     config = validate(TrainConfig(workers=4, lr=0.1, lr_schedule="step", lr_gamma=0.5, lr_decay_epochs=0.5,
                                   lr_scaling="linear", epochs=2.0))  # fmt: skip

@@ -68,7 +68,8 @@ _FLAGS = {
     "optimizer": (f"a torch.optim optimizer: {', '.join(OPTIMIZERS)}", {}),
     "optimizer_args": ("another setting of the optimizer, e.g. betas=0.9,0.95 or eps=1e-6; repeatable",
                        {"action": "append", "metavar": "KEY=VALUE"}),
-    "lr": ("learning rate of the averaged gradient, for every strategy (default: 0.1 for sgd, else torch's)", {}),
+    "lr": ("learning rate of the averaged gradient, for every strategy, before --lr-scaling (default: 0.1 for sgd, "
+           "else torch's)", {}),
     "momentum": ("momentum of sgd or rmsprop (default: 0.9 for sgd)", {}),
     "nesterov": ("Nesterov momentum of sgd (default: on)", {"action": argparse.BooleanOptionalAction}),
     "weight_decay": ("weight decay (default: 5e-4 for sgd, else torch's)", {}),

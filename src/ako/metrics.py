@@ -199,6 +199,10 @@ def format_summary(s: dict) -> str:
     ]
     if data := _data_line(s):
         lines.append(data)
+    if s.get("lr_factor", 1.0) != 1.0:
+        why = ": sqrt(workers), as the workers' own adaptive steps are averaged" if s["lr_scaling"] == "auto" else ""
+        lines.append(f"  learning rate    {s['lr']:.4g} = --lr {s['lr'] / s['lr_factor']:.4g} x {s['lr_factor']:.4g} "
+                     f"(--lr-scaling {s['lr_scaling']}{why})")  # fmt: skip
     if s.get("stragglers"):
         lines.append(f"  stragglers       {'; '.join(s['stragglers'])} (injected: a slowed step takes factor x its compute time)")
     for server in s.get("per_server", []):

@@ -17,6 +17,7 @@ from ako.config import to_toml
 from ako.data.text import VOCABULARY_FILE
 from ako.metrics import (MetricsLog, WriteFailed, build_summary, create_run_dir, format_summary, objective, save_torch,
                          write_atomic, write_summary)
+from ako.optim import lr_factor
 from ako.run.consensus import consensus_distance
 from ako.run.evaluation import prefixed
 from ako.run.job import Job
@@ -142,6 +143,7 @@ workers lost before it, which began again as copies of rank 0's part.
     summary["saved_model"], model_dict = model_state(state.replica, model, source, data, measured)
     state.evaluator.log.close()
     summary.update(data_use(job, data))
+    summary.update(learning_rate(job, data))
     summary["lost_ranks"] = [loss["rank"] for loss in lost]
     summary["lost"] = lost
     summary["stragglers"] = list(job.config.straggler)  # as given: "rank=3,factor=4"
@@ -149,6 +151,17 @@ workers lost before it, which began again as copies of rank 0's part.
     summary["resumed_as_rank_0"] = list(restarted)
     summary["run_dir"] = str(run_dir)
     return summary, model.detach().cpu().clone(), model_dict
+
+
+def learning_rate(job: Job, data) -> dict:
+    """The learning rate the optimizers are built with (before warm-up and schedule), `lr`,
+    and what `--lr-scaling` multiplied the configured one by, `lr_factor`
+    (`ako.optim.lr_factor`); {} with the user's optimizer_fn, whose rate is its own."""
+    lr = job.optimization(data).base_lr
+    if lr is None:
+        return {}
+    factor = lr_factor(job.config, job.strategy.averages_own_steps)
+    return {"lr": float(f"{lr:.6g}"), "lr_factor": float(f"{factor:.6g}"), "lr_scaling": job.config.lr_scaling}
 
 
 def language_model_figures(summary: dict, data, config) -> dict:
