@@ -114,7 +114,7 @@ AKO_LR0 = Strategy(name="ako", worker=_lr0, replicas_differ=True, check=ako_stra
 @pytest.mark.parametrize("exchange", EXCHANGES)
 def test_learning_rate_zero_leaves_every_replica_where_it_started(tmp_path, exchange):
     """With momentum and weight decay but lr 0, no window or correction moves a replica."""
-    config = small_config(tmp_path, strategy="ako", workers=3, exchange=exchange, partitions=7, seconds_per_sample=1e-3)
+    config = small_config(tmp_path, strategy="ako", workers=3, exchange=exchange, partitions=4, seconds_per_sample=1e-3)  # p = steps
     start = single_process_sgd(config, 0)
     for params in params_of(ako.simulate(config, strategy=AKO_LR0)):
         assert torch.equal(params, start)

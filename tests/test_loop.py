@@ -142,12 +142,12 @@ def test_a_killed_rank_under_ako_run_is_named_and_the_others_finish(tmp_path, st
 
 
 def test_a_stopped_rank_under_ako_run_is_dropped_and_not_waited_for_again(tmp_path):
-    """SIGSTOP: the others drop rank 1 after the timeout (5 s) and finish; the launcher then
-    gives it up at once (it would never end), not after a second timeout."""
-    out, elapsed = _kill_rank_while_training(tmp_path, "ako", 3, timeout=5, sig=signal.SIGSTOP)
+    """SIGSTOP: the others drop rank 1 after the timeout (10 s) and finish; the launcher then
+    gives it up at once (it would never end), not after a second timeout (which took 23 s)."""
+    out, elapsed = _kill_rank_while_training(tmp_path, "ako", 3, timeout=10, sig=signal.SIGSTOP)
     assert out.returncode == 0, out.stderr
     assert "ako run: worker rank 1 lost: stopped (SIGSTOP or a debugger); the others finished without it" in out.stderr
-    assert elapsed < 5 + 4, f"took {elapsed:.1f} s"
+    assert elapsed < 10 + 9, f"took {elapsed:.1f} s"  # 14-15 s on a loaded machine; 23 s when it was waited for
 
 
 def test_a_killed_rank_under_allreduce_fails_the_run_in_one_line_without_a_hang(tmp_path):
