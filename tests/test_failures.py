@@ -226,6 +226,7 @@ def test_a_worker_stopped_past_the_timeout_is_dropped_and_ends(tmp_path, strateg
     (run_dir,) = out_dir.glob("*")
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [(loss["rank"], loss["how"]) for loss in summary["lost"]] == [(2, "stopped")]
+    assert re.fullmatch(r"silent for 3 s; found by rank [01]", summary["lost"][0]["reason"]), summary["lost"]  # as stderr said
     assert [w["rank"] for w in summary["per_worker"]] == [0, 1]
     assert summary["per_worker"][0]["steps"] == summary["per_worker"][1]["steps"] == summary["iterations"]
     if strategy != "ako":

@@ -146,7 +146,9 @@ def test_a_stopped_rank_under_ako_run_is_dropped_and_not_waited_for_again(tmp_pa
     gives it up at once (it would never end), not after a second timeout (which took 23 s)."""
     out, elapsed = _kill_rank_while_training(tmp_path, "ako", 3, timeout=10, sig=signal.SIGSTOP)
     assert out.returncode == 0, out.stderr
-    assert "ako run: worker rank 1 lost: stopped (SIGSTOP or a debugger); the others finished without it" in out.stderr
+    said = [line for line in out.stderr.splitlines() if "rank 1" in line]
+    assert len(said) == 1 and said[0].startswith("ako: worker rank 1 was stopped (SIGSTOP or a debugger) and dropped "
+                                                 "(silent for 10 s; found by rank "), out.stderr  # once, by a peer
     assert elapsed < 10 + 9, f"took {elapsed:.1f} s"  # 14-15 s on a loaded machine; 23 s when it was waited for
 
 

@@ -257,6 +257,7 @@ class Mailbox:
         and every other live peer are told (DROPPED), so that they need not wait out the
         timeout on it too."""
         how = self.whereabouts(peer)  # outside the lock: it may ask the job's store
+        reason = f"{reason}; found by rank {self.rank}"  # as the peers told record it (`_dropped`)
         with self.cond:
             if peer in self.lost:
                 return
@@ -267,7 +268,7 @@ class Mailbox:
             for other in told:
                 self._post_quietly(other, DROPPED, peer)
         if self.first_report(peer):  # as the launcher says a death: when it happens, once
-            loss = {"rank": peer, "role": self._role(peer), "how": how, "reason": f"{reason}; found by rank {self.rank}"}
+            loss = {"rank": peer, "role": self._role(peer), "how": how, "reason": reason}
             print(f"ako: {loss_text(loss)}", file=sys.stderr, flush=True)
 
     def get(self, tag: int, src: int | None, timeout: float, tolerant: bool = False, awaiting=frozenset()) -> Message:

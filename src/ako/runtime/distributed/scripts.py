@@ -177,14 +177,17 @@ class _Watch:
 
     def _late(self, running: set[int]) -> int:
         """Rank 0 finished and these have not ended within `timeout` s (or are all stopped, and
-        never would): lost where the strategy went on without them (they were dropped), else
-        the run failed."""
+        never would): lost where the strategy went on without them (they were dropped: a
+        stopped one was named by the peer that dropped it, so not again here), else the run
+        failed."""
         status = 0
         for rank in sorted(running):
-            how = "stopped (SIGSTOP or a debugger)" if is_stopped(self.procs[rank].pid) else "stuck"
+            stopped = is_stopped(self.procs[rank].pid)
+            how = "stopped (SIGSTOP or a debugger)" if stopped else "stuck"
             if self.survives(rank):
-                print(f"ako run: {self.role(rank)} rank {rank} lost: {how}; the others finished without it",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                if not stopped:
+                    print(f"ako run: {self.role(rank)} rank {rank} lost: stuck; the others finished without it",
+                          file=sys.stderr, flush=True)  # fmt: skip
             else:
                 print(f"ako run: {self.role(rank)} rank {rank} failed: {how}, it did not end within "
                       f"{self.timeout:g} s of rank 0", file=sys.stderr, flush=True)  # fmt: skip
