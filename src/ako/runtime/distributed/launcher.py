@@ -27,7 +27,7 @@ from ako.config import ConfigError
 from ako.data import DataError
 from ako.run.outcome import WorkerResult
 from ako.runtime.distributed import forkserver, quiet
-from ako.runtime.distributed.liveness import has_started, is_stopped, record_cause
+from ako.runtime.distributed.liveness import all_stopped, has_started, is_stopped, record_cause
 from ako.runtime.distributed.mailbox import comm_error
 from ako.runtime.distributed.process import END, RUN_DIR_KEY, JobEnded, run_rank
 from ako.run.job import Job
@@ -214,7 +214,7 @@ class _Group:
         while running:
             if 0 in self.results and deadline == math.inf:
                 deadline = time.monotonic() + timeout
-            if time.monotonic() > deadline or (deadline < math.inf and self._all_stopped(running)):
+            if time.monotonic() > deadline or (deadline < math.inf and all_stopped(self.procs[r].pid for r in running)):
                 self._give_up(running, survivable, role, timeout)
                 break
             alone = self._alone_and_stopped(running, alone, timeout, role)
@@ -297,11 +297,6 @@ class _Group:
             handed_in = 0 in self.results or 0 in self.failures
             mp_connection.wait([self.procs[0].sentinel] + ([] if handed_in else [self.pipes[0]]), timeout=left)
             self._read(0)
-
-    def _all_stopped(self, running: set[int]) -> bool:
-        """Whether every process still running is stopped (SIGSTOP or a debugger): after rank 0
-        is done, none of them would end by itself, so there is nothing left to wait for."""
-        return all(is_stopped(self.procs[r].pid) for r in running)
 
     def _give_up(self, running: set[int], survivable: set[int], role, timeout: float) -> None:
         """Rank 0 is done and these have not ended within `timeout`, or are all stopped: fail on

@@ -93,6 +93,12 @@ def is_stopped(pid: int) -> bool:
     return process_state(pid) in ("T", "t")
 
 
+def all_stopped(pids) -> bool:
+    """Whether every process of `pids` is stopped: after rank 0 is done, none of them would
+    end by itself, so a launcher has nothing left to wait for."""
+    return all(is_stopped(pid) for pid in pids)
+
+
 def record_cause(store, rank: int, cause: str) -> None:
     """The launcher, which saw `rank`'s process end: how ("killed by SIGKILL"), for the
     summary's lost line, where rank 0 knows only the broken connection."""

@@ -28,7 +28,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ako.runtime.distributed.launcher import _exit_status
-from ako.runtime.distributed.liveness import is_stopped
+from ako.runtime.distributed.liveness import all_stopped, is_stopped
 
 SETTINGS_ENV = "AKO_LOOP"  # the run's settings, JSON, for the script's `ako.wrap` (they override its keywords)
 LAUNCHER_ENV = "AKO_RUN"  # set for the scripts: a failure goes to the store, and the launcher prints it
@@ -163,17 +163,13 @@ class _Watch:
                     first = min(usage)
                     print(f"ako run: {self.role(first)} rank {first}: bad usage (exit status 2)", file=sys.stderr, flush=True)
                 return EXIT_BAD_USAGE
-            if deadline is not None and running and (time.monotonic() > deadline or self._all_stopped(running)):
+            if deadline is not None and running and (time.monotonic() > deadline or all_stopped(self.procs[r].pid for r in running)):
                 return self._late(running)
         return 0
 
     def _vital_stopped(self, running: set[int]) -> bool:
         """Rank 0 or a server is stopped: that is why a worker failed, and no one goes on."""
         return any(is_stopped(self.procs[r].pid) for r in running if not (0 < r < self.workers))
-
-    def _all_stopped(self, running: set[int]) -> bool:
-        """Every rank still running is stopped: none of them would end by itself."""
-        return all(is_stopped(self.procs[r].pid) for r in running)
 
     def _late(self, running: set[int]) -> int:
         """Rank 0 finished and these have not ended within `timeout` s (or are all stopped, and
