@@ -102,6 +102,39 @@ def test_the_summary_says_the_learning_rate_the_scaling_made(tmp_path, capfd):
     assert (summary["lr"], summary["lr_factor"], summary["lr_scaling"]) == (0.00424264, 1.41421, "auto")
 
 
+@pytest.mark.parametrize("strategy,optimizer,given,settings,betas", [
+    ("asp", "adamw", None, {}, (0.5, 0.999)), ("ssp", "adam", None, {}, (0.5, 0.999)),
+    ("ssp", "nadam", None, {}, (0.5, 0.999)), ("ako", "adamw", None, {}, (0.5, 0.999)),
+    ("ako", "adamw", None, {"partitions": 1}, (0.5, 0.999)), ("asp", "adamw", [0.8, 0.95], {}, (0.8, 0.95)),
+    ("ako", "adamw", None, {"partitions": 1, "staleness": 0}, (0.9, 0.999)),
+    ("allreduce", "adamw", None, {}, (0.9, 0.999)), ("gossip", "adamw", None, {}, (0.9, 0.999)),
+    ("asp", "sgd", None, {}, None), ("ako", "sgd", None, {}, None),
+])  # fmt: skip
+def test_stale_steps_take_a_lower_beta1_unless_betas_are_given(strategy, optimizer, given, settings, betas):
+    """ssp's, asp's and (out of lock-step) ako's workers step on stale parameters: Adam's
+    family gets beta1 0.5 there, the user's betas where given, and sgd (no betas) keeps its
+    momentum."""
+    from ako.strategies import STRATEGIES
+
+    config = validate(TrainConfig(strategy=strategy, workers=4, optimizer=optimizer,
+                                  optimizer_args={"betas": given} if given else None, **settings,
+                                  **({"momentum": None, "nesterov": None, "weight_decay": None} if optimizer != "sgd" else {})))  # fmt: skip
+    built = Optimization(config, 8, stale_steps=STRATEGIES[strategy].steps_stale(config)).build(torch.zeros(3))
+    group = built.optimizer.param_groups[0]
+    assert group.get("betas") == betas
+    if optimizer == "sgd":
+        assert group["momentum"] == 0.9
+
+
+def test_the_summary_says_the_betas_stale_steps_took(tmp_path, capfd):
+    code = main(["train", *SMALL, "--strategy", "asp", "--optimizer", "adamw", "--lr", "0.003", "--epochs", "0.25",
+                 "--out-dir", str(tmp_path / "runs")])  # fmt: skip
+    assert code == 0
+    assert "  betas            0.5, 0.999 (beta1 lowered for the workers' steps on stale parameters" in capfd.readouterr().out
+    [run_dir] = run_dirs(tmp_path)
+    assert json.loads((run_dir / "summary.json").read_text())["stale_betas"] == [0.5, 0.999]
+
+
 def test_step_and_linear_schedules_and_the_linear_scaling_rule():
     config = validate(TrainConfig(workers=4, lr=0.1, lr_schedule="step", lr_gamma=0.5, lr_decay_epochs=0.5,
                                   lr_scaling="linear", epochs=2.0))  # fmt: skip

@@ -203,6 +203,9 @@ def format_summary(s: dict) -> str:
         why = ": sqrt(workers), as the workers' own adaptive steps are averaged" if s["lr_scaling"] == "auto" else ""
         lines.append(f"  learning rate    {s['lr']:.4g} = --lr {s['lr'] / s['lr_factor']:.4g} x {s['lr_factor']:.4g} "
                      f"(--lr-scaling {s['lr_scaling']}{why})")  # fmt: skip
+    if betas := s.get("stale_betas"):
+        lines.append(f"  betas            {betas[0]:g}, {betas[1]:g} (beta1 lowered for the workers' steps on stale parameters: "
+                     "asynchrony adds momentum; --optimizer-arg betas=B1,B2 to set)")  # fmt: skip
     if s.get("stragglers"):
         lines.append(f"  stragglers       {'; '.join(s['stragglers'])} (injected: a slowed step takes factor x its compute time)")
     for server in s.get("per_server", []):

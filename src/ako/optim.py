@@ -16,7 +16,9 @@ Defaults: for `sgd`, ako's (lr 0.1, momentum 0.9, Nesterov, weight decay 5e-4); 
 torch's own (Adam's lr 1e-3, ...). `--lr-scaling linear` multiplies the learning rate by the
 number of workers (Goyal et al. 2017, "Accurate, Large Minibatch SGD", section 2.1), `sqrt` by
 its square root; `auto` (the default) takes `sqrt` where the model moves by the mean of the
-workers' own adaptive steps (`lr_factor`), else none.
+workers' own adaptive steps (`lr_factor`), else none. Where the workers step on stale
+parameters (ssp, asp, ako out of lock-step), an optimizer with `betas` (Adam, AdamW, ...) takes beta1 STALE_BETA1
+unless `--optimizer-arg betas=` is given (`stale_betas`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
 SCHEDULES = ("constant", "step", "cosine", "linear")
 LR_SCALINGS = ("auto", "none", "linear", "sqrt")
 SGD_DEFAULTS = {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4}
+STALE_BETA1 = 0.5  # beta1 where the workers' steps are stale (`stale_betas`; measured in docs/results.md)
 _NOT_SETTABLE = {"params", "self", "foreach", "fused", "capturable", "differentiable"}  # how, not what
 
 
@@ -117,6 +120,7 @@ class Optimization:
     optimizer_fn: OptimizerFn | None = None
     scheduler_fn: SchedulerFn | None = None
     averages_own_steps: bool = False  # the strategy's (`Strategy.averages_own_steps`), for lr_scaling auto
+    stale_steps: bool = False  # the strategy's (`Strategy.stale_steps`), for `stale_betas`
 
     @property
     def base_lr(self) -> float | None:
@@ -135,7 +139,7 @@ class Optimization:
             if not isinstance(optimizer, torch.optim.Optimizer):
                 raise TypeError(f"optimizer_fn returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
         else:
-            kwargs = {**optimizer_kwargs(self.config), "lr": self.base_lr}
+            kwargs = {**optimizer_kwargs(self.config), **stale_betas(self.config, self.stale_steps), "lr": self.base_lr}
             optimizer = OPTIMIZERS[self.config.optimizer]([params], **kwargs)
         if self.scheduler_fn is not None:
             scheduler = self.scheduler_fn(optimizer)
@@ -163,6 +167,22 @@ def lr_factor(config, averages_own_steps: bool) -> float:
     if config.lr_scaling == "auto":
         return math.sqrt(n) if averages_own_steps and config.optimizer != "sgd" else 1.0
     return {"linear": n, "sqrt": math.sqrt(n)}.get(config.lr_scaling, 1.0)
+
+
+def stale_betas(config, stale_steps: bool) -> dict[str, tuple[float, float]]:
+    """{"betas": (STALE_BETA1, beta2)} where the strategy's workers take their optimizer steps
+    on stale parameters (`stale_steps`: ssp, asp, ako), the optimizer has Adam's `betas` and the
+    config gives none (`optimizer_args`); else {}. Why: asynchrony adds a momentum of its own,
+    about 1 - 1/n with n workers taking turns, so the optimizer's must be lower for the sum to
+    stay where the synchronous one was tuned (Mitliagkas et al., "Asynchrony begets momentum",
+    2016; Liu et al. 2018). Measured on the gpt (docs/results.md, "Language models"): asp with
+    AdamW's beta1 0.9 ended 0.17 nats above allreduce, with 0.5 level with it; ako 0.15 above,
+    with 0.5 below it. sgd's momentum
+    is left alone: ssp and asp met their goals with it (experiment 3)."""
+    betas = optimizer_settings(config.optimizer).get("betas")
+    if not stale_steps or not isinstance(betas, tuple) or "betas" in (config.optimizer_args or {}):
+        return {}
+    return {"betas": (STALE_BETA1, betas[1])}
 
 
 def warmup_steps(config, steps_per_epoch: int) -> int:

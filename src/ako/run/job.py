@@ -169,7 +169,7 @@ class Job:
 
     def optimization(self, data: Data) -> Optimization:
         return Optimization(self.config, self.planned_steps(data), self.optimizer_fn, self.scheduler_fn,
-                            self.strategy.averages_own_steps)  # fmt: skip
+                            self.strategy.averages_own_steps, self.strategy.steps_stale(self.config))  # fmt: skip
 
     def build_model(self, data: Data) -> nn.Module:
         """A fresh model, initialised from the run seed (identical on every worker). Raises

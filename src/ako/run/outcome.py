@@ -17,7 +17,7 @@ from ako.config import to_toml
 from ako.data.text import VOCABULARY_FILE
 from ako.metrics import (MetricsLog, WriteFailed, build_summary, create_run_dir, format_summary, objective, save_torch,
                          write_atomic, write_summary)
-from ako.optim import lr_factor
+from ako.optim import lr_factor, stale_betas
 from ako.run.consensus import consensus_distance
 from ako.run.evaluation import prefixed
 from ako.run.job import Job
@@ -156,12 +156,16 @@ workers lost before it, which began again as copies of rank 0's part.
 def learning_rate(job: Job, data) -> dict:
     """The learning rate the optimizers are built with (before warm-up and schedule), `lr`,
     and what `--lr-scaling` multiplied the configured one by, `lr_factor`
-    (`ako.optim.lr_factor`); {} with the user's optimizer_fn, whose rate is its own."""
+    (`ako.optim.lr_factor`); `stale_betas`, the betas that replaced the optimizer's default
+    (`ako.optim.stale_betas`), where they did; {} with the user's optimizer_fn, whose rate is
+    its own."""
     lr = job.optimization(data).base_lr
     if lr is None:
         return {}
     factor = lr_factor(job.config, job.strategy.averages_own_steps)
-    return {"lr": float(f"{lr:.6g}"), "lr_factor": float(f"{factor:.6g}"), "lr_scaling": job.config.lr_scaling}
+    betas = stale_betas(job.config, job.strategy.steps_stale(job.config)).get("betas")
+    return {"lr": float(f"{lr:.6g}"), "lr_factor": float(f"{factor:.6g}"), "lr_scaling": job.config.lr_scaling,
+            **({"stale_betas": list(betas)} if betas else {})}  # fmt: skip
 
 
 def language_model_figures(summary: dict, data, config) -> dict:

@@ -110,7 +110,10 @@ class Strategy:
     elementwise optimizers, `ako.optim.check_elementwise`). `averages_own_steps`: the model
     moves by the mean of the workers' own optimizer steps, each on its own batch (gossip,
     easgd, ssp, asp), so `--lr-scaling auto` takes sqrt(n) x lr with an adaptive optimizer
-    (`ako.optim.lr_factor`)."""
+    (`ako.optim.lr_factor`). `stale_steps`: each worker steps its own optimizer on parameters
+    that miss its peers' latest updates (ssp, asp; ako unless in lock-step), so an optimizer
+    with Adam's betas takes a lower beta1 (`ako.optim.stale_betas`); a function of the run's
+    config where that depends on its settings (`steps_stale`)."""
 
     name: str
     worker: WorkerProgram
@@ -124,7 +127,12 @@ class Strategy:
     paper: str = ""
     optimizer_on: str = "workers"
     averages_own_steps: bool = False
+    stale_steps: bool | Callable[[Any], bool] = False
 
     def survives(self, config: TrainConfig) -> bool:
         """Whether a run with `config` carries on when a worker other than rank 0 dies."""
         return self.survives_loss(config) if callable(self.survives_loss) else self.survives_loss
+
+    def steps_stale(self, config: TrainConfig) -> bool:
+        """Whether a run with `config` steps the workers' optimizers on stale parameters."""
+        return self.stale_steps(config) if callable(self.stale_steps) else self.stale_steps

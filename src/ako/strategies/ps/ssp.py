@@ -90,6 +90,7 @@ SSP = Strategy(
     name="ssp",
     worker=update_worker,
     averages_own_steps=True,
+    stale_steps=True,
     server=ssp_server,
     options=(SERVERS, Option(name="staleness", help="staleness bound s (default 2)", default=DEFAULT_STALENESS,
                              check=Integer("staleness", 0, 1000))),
@@ -98,6 +99,7 @@ SSP = Strategy(
     paper="Ho et al., NIPS 2013",
 )  # fmt: skip
 ASP = Strategy(
-    name="asp", worker=update_worker, server=asp_server, survives_loss=True, averages_own_steps=True, options=(SERVERS,), check=check,
+    name="asp", worker=update_worker, server=asp_server, survives_loss=True, averages_own_steps=True, stale_steps=True,
+    options=(SERVERS,), check=check,
     summarise=staleness_summary, paper="asynchronous parameter servers (Dean et al. 2012, Downpour SGD)",
 )
