@@ -92,13 +92,17 @@ def test_lr_scaling_auto_takes_sqrt_n_where_the_workers_own_adaptive_steps_are_a
     assert built.lr == pytest.approx(0.01 * factor, rel=1e-12)
 
 
-def test_the_summary_says_the_learning_rate_the_scaling_made(tmp_path, capfd):
-    code = main(["train", *SMALL, "--strategy", "gossip", "--optimizer", "adamw", "--lr", "0.003", "--epochs", "0.5",
+def test_the_summary_says_the_learning_rate_and_betas_the_strategy_took(tmp_path, capfd):
+    """asp with AdamW: sqrt(n) x lr (`--lr-scaling auto`) and beta1 0.5 for its stale steps."""
+    code = main(["train", *SMALL, "--strategy", "asp", "--optimizer", "adamw", "--lr", "0.003", "--epochs", "0.25",
                  "--out-dir", str(tmp_path / "runs")])  # fmt: skip
     assert code == 0
-    assert "  learning rate    0.004243 = --lr 0.003 x 1.414 (--lr-scaling auto: sqrt(workers)" in capfd.readouterr().out
+    out = capfd.readouterr().out
+    assert "  learning rate    0.004243 = --lr 0.003 x 1.414 (--lr-scaling auto: sqrt(workers)" in out
+    assert "  betas            0.5, 0.999 (beta1 lowered for the workers' steps on stale parameters" in out
     [run_dir] = run_dirs(tmp_path)
     summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["stale_betas"] == [0.5, 0.999]
     assert (summary["lr"], summary["lr_factor"], summary["lr_scaling"]) == (0.00424264, 1.41421, "auto")
 
 
@@ -124,15 +128,6 @@ def test_stale_steps_take_a_lower_beta1_unless_betas_are_given(strategy, optimiz
     assert group.get("betas") == betas
     if optimizer == "sgd":
         assert group["momentum"] == 0.9
-
-
-def test_the_summary_says_the_betas_stale_steps_took(tmp_path, capfd):
-    code = main(["train", *SMALL, "--strategy", "asp", "--optimizer", "adamw", "--lr", "0.003", "--epochs", "0.25",
-                 "--out-dir", str(tmp_path / "runs")])  # fmt: skip
-    assert code == 0
-    assert "  betas            0.5, 0.999 (beta1 lowered for the workers' steps on stale parameters" in capfd.readouterr().out
-    [run_dir] = run_dirs(tmp_path)
-    assert json.loads((run_dir / "summary.json").read_text())["stale_betas"] == [0.5, 0.999]
 
 
 def test_step_and_linear_schedules_and_the_linear_scaling_rule():
