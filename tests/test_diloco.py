@@ -16,6 +16,7 @@ from helpers import make_replica, run_and_kill, single_process_sgd, small_config
 
 import ako
 from ako.data import ShardSampler, fetch, load_dataset
+from ako.metrics import format_summary
 from ako.models import build_model, model_options
 from ako.cli import main
 from ako.config import ConfigError
@@ -125,6 +126,19 @@ def test_every_fragment_is_synced_once_every_h_steps(tmp_path):
             log = w.facts["sync_log"].tolist()
             for k in range(3):
                 assert [s for s, f in log if f == k] == list(range(2 * (k + 1), 25, 6)), log
+
+
+def test_the_summary_counts_the_outer_steps_and_says_when_there_were_none(tmp_path):
+    """24 steps: streaming at H = 6, P = 3 takes 12 fragment syncs; diloco at its default
+    H = 100 takes none, and the summary says the replicas trained apart."""
+    config = small_config(tmp_path, strategy="streaming-diloco", train_samples=2 * 16 * 24, epochs=1.0, sync_every=6,
+                          fragments=3, fragment_delay=1, fragment_alpha=0.5, **ADAMW)  # fmt: skip
+    text = format_summary(ako.simulate(replace(config, **SIMULATED)).summary)
+    assert "  outer steps      12 (every H = 6 steps, one of 3 fragments every 2)\n" in text
+    never = format_summary(ako.train(replace(config, strategy="diloco", sync_every=100, fragments=None,
+                                             fragment_delay=None, fragment_alpha=None)).summary)  # fmt: skip
+    assert ("  outer steps      0 (every H = 100 steps): H is longer than this run's 24 steps, so the replicas "
+            "trained apart (a smaller --sync-every syncs them)\n") in never
 
 
 def test_a_synced_fragment_is_the_same_on_every_worker_and_the_others_are_not(tmp_path):

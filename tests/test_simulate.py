@@ -281,6 +281,8 @@ def test_the_summary_gives_the_spread_of_per_worker_figures_at_many_workers():
     assert "(loss 2.48049): the flush made the replicas worse (2.48052)" in format_summary({**s, "final_model": tie})
     tie = {**tie, "flushed_loss": 2.5, "unflushed_loss": 2.4}  # apart at 4 decimals: as every figure
     assert "(loss 2.4000): the flush made the replicas worse (2.5000)" in format_summary({**s, "final_model": tie})
+    same = {"source": "the replicas after the flush", "metric": "accuracy", "flushed_accuracy": 0.8173, "unflushed_accuracy": 0.8173}
+    assert "(accuracy 0.8173; rank 0's before it 0.8173)" in format_summary({**s, "final_model": same})  # equal: 4 decimals
 
 def test_calibrate_makes_the_profile_s_directory_or_says_why_not(tmp_path, capsys):
     out = tmp_path / "new" / "dir" / "profile.toml"

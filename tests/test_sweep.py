@@ -487,7 +487,7 @@ def test_a_diverged_cell_s_line_says_so():
     from ako.experiments.runner import _outcome
 
     line = _outcome({"test_metrics": {"accuracy": 0.107, "loss": None}, "target": None}, 12.3)
-    assert line == "accuracy 0.1070, loss n/a (diverged) (12 s)"
+    assert line == "accuracy 0.1070, loss n/a (diverged) (took 12 s)"
 
 
 def test_what_a_cell_changes_of_its_process_is_put_back(tmp_path):

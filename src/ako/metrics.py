@@ -185,7 +185,7 @@ def format_summary(s: dict) -> str:
     """The summary as the lines printed at the end of a run."""
     evaluating = s.get("evaluation_seconds", s["wall_seconds"] - s["train_seconds"])  # a simulation's take no virtual time
     paused = f" (+ {evaluating:.1f} s evaluating)" if evaluating >= 0.05 else ""
-    sec = _unit(s)
+    sec = time_unit(s)
     lines = [
         f"ako {s['strategy']}: {s['workers']} worker{'s' if s['workers'] > 1 else ''}, {s['model']} on "
         f"{s['dataset']}, {s['epochs']:.2f} epochs ({s['iterations']} iterations) in {duration(s['train_seconds'])} {sec} "
@@ -237,7 +237,9 @@ def format_summary(s: dict) -> str:
     if s.get("partial_steps"):
         cut, short = per_worker(s, "partial_steps"), per_worker(s, "samples_short")
         lines.append(f"  partial steps    steps cut short behind the peers {cut}, samples fewer than whole steps {short} "
-                     f"(per worker{f', {_ranks(s)}' if _ranks(s) else ''}; what a step left went first the next)")  # fmt: skip
+                     f"(per worker{f', {_ranks(s)}' if _ranks(s) else ''}; what a step left went first in the next, so the run trained that many samples fewer)")  # fmt: skip
+    if "outer_steps" in s:
+        lines.append(_syncs(s))
     if "tau_reason" in s:
         never = f"; longer than this run's {s['iterations']} steps: one round, at its end" if s["tau"] > s["iterations"] else ""
         lines.append(f"  elastic rounds   every tau = {s['tau']} step{'s' if s['tau'] != 1 else ''} ({s['tau_reason']}){never}")
@@ -277,10 +279,10 @@ def _metric_lines(s: dict) -> list[str]:
         lines.append(f"  {'validation' if language else 'test'} {name:<{5 if language else 11}} {text}")
     target = s.get("target_accuracy")
     if s["time_to_accuracy"]:
-        lines.append(f"  time to accuracy {_milestone_text(s['time_to_accuracy'], _unit(s))}" + ("" if target is None else f"  (target {target:.0%})"))
+        lines.append(f"  time to accuracy {_milestone_text(s['time_to_accuracy'], time_unit(s))}" + ("" if target is None else f"  (target {target:.0%})"))
     if s.get("target") and not (target is not None and s["target"] == f"accuracy>={target:g}"):
         reached = s["time_to_target"]
-        lines.append(f"  time to target   {s['target']}: {'not reached' if reached is None else f'{duration(reached)} {_unit(s)}'}")
+        lines.append(f"  time to target   {s['target']}: {'not reached' if reached is None else f'{duration(reached)} {time_unit(s)}'}")
     return lines
 
 
@@ -360,7 +362,7 @@ def _milestone_text(times: dict, unit: str) -> str:
     return ", ".join(f"{float(k):.0%}: {'not reached' if v is None else f'{duration(v)} {unit}'}" for k, v in times.items())
 
 
-def _unit(s: dict) -> str:
+def time_unit(s: dict) -> str:
     """The unit of the summary's times: "s", or "virtual s" for the simulator's clock."""
     return "virtual s" if "simulation" in s else "s"
 
@@ -375,7 +377,7 @@ def _replica_lines(s: dict) -> list[str]:
     """The average's time to accuracy, the final consensus distance, gossip's settings."""
     lines = []
     if s.get("average_time_to_accuracy"):
-        lines.append(f"  average reaches  {_milestone_text(s['average_time_to_accuracy'], _unit(s))}")
+        lines.append(f"  average reaches  {_milestone_text(s['average_time_to_accuracy'], time_unit(s))}")
     if s.get("consensus_distance") is not None:
         most = s.get("consensus_distance_max")
         during = f", at most {most:.3g} during training" if most is not None and most > s["consensus_distance"] else ""
@@ -408,13 +410,25 @@ def figure(x, decimals: int = 4) -> str:
     return f"{x:.{decimals}f}" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a (diverged)"
 
 
+def _syncs(s: dict) -> str:
+    """diloco's and streaming-diloco's summary line: their outer steps, and where H is longer
+    than the run, that the replicas trained apart."""
+    every = s["sync_every"] // s["fragments"]
+    fragments = f", one of {s['fragments']} fragments every {every}" if s["fragments"] > 1 else ""
+    never = (f": H is longer than this run's {s['iterations']} steps, so the replicas trained apart "
+             "(a smaller --sync-every syncs them)") if s["outer_steps"] == 0 else ""  # fmt: skip
+    return f"  outer steps      {s['outer_steps']} (every H = {s['sync_every']} steps{fragments}){never}"
+
+
 def figures_apart(a, b) -> tuple[str, str]:
     """Two metrics as printed, with up to 6 decimals where 4 would print different values alike."""
-    for decimals in (4, 5, 6):
+    for decimals in (5, 6):
+        if figure(a, 4) != figure(b, 4):
+            break
         x, y = figure(a, decimals), figure(b, decimals)
         if x != y:
-            break
-    return x, y
+            return x, y
+    return figure(a, 4), figure(b, 4)
 
 
 def _rounded(x: float | None) -> float | None:

@@ -23,7 +23,7 @@ import tomli_w
 
 from ako.experiments.cell_process import CellProcess, end_process
 from ako.experiments.grid import EXIT_BAD_INPUT, Cell, Sweep
-from ako.metrics import figure, write_atomic
+from ako.metrics import figure, time_unit, write_atomic
 
 
 def finished_run(cell_dir: Path, cell: Cell) -> tuple[Path, dict, list[dict]] | None:
@@ -207,8 +207,8 @@ def _outcome(summary: dict, seconds: float) -> str:
     text = ", ".join(f"{name} {figure(value)}" for name, value in summary["test_metrics"].items())
     if summary.get("target"):
         tta = summary["time_to_target"]
-        text += f"; {summary['target']} " + ("not reached" if tta is None else f"at {tta:.1f} s")
-    return f"{text} ({seconds:.0f} s)"
+        text += f"; {summary['target']} " + ("not reached" if tta is None else f"at {tta:.1f} {time_unit(summary)}")
+    return f"{text} (took {seconds:.0f} s)"
 
 
 def _progress(total: int, done: int, show: bool | None):

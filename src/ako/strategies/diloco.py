@@ -144,7 +144,7 @@ class OuterSGD:
 
 
 def _worker(ctx, streaming: bool):
-    """Worker program (module docstring). Facts: steps, outer steps (syncs), and `sync_log`,
+    """Worker program (module docstring). Facts: steps, outer steps (syncs), H, P, and `sync_log`,
     int64 (syncs, 2): each sync's step and fragment."""
     p = plan(ctx, streaming)
     n, replica = ctx.world_size, ctx.replica
@@ -175,7 +175,8 @@ def _worker(ctx, streaming: bool):
     if inflight is not None:  # every worker ends with the same sync under way: complete it
         yield from _apply(p, outer, replica, mean, *inflight[1:])
         log.append((t, inflight[1]))
-    return {"steps": t, "outer_steps": len(log), "sync_log": torch.tensor(log, dtype=torch.int64).view(-1, 2)}
+    return {"steps": t, "outer_steps": len(log), "sync_every": p.sync_every, "fragments": len(p.fragments),
+            "sync_log": torch.tensor(log, dtype=torch.int64).view(-1, 2)}
 
 
 def _apply(p: Plan, outer: OuterSGD, replica, mean: Mean, k: int, pending):
