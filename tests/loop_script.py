@@ -1,6 +1,7 @@
 """A user's own training loop with ako's three lines, for tests/test_loop.py: run as a script
-(`ako run --workers 2 tests/loop_script.py OUT [STEPS] [SLEEP]` or under torchrun) it trains
-`mlp` on `digits_like` for STEPS steps of its shard and saves each rank's final flat parameters
+(`ako run --workers 2 tests/loop_script.py OUT [STEPS] [SLEEP] [raise|exit]` or under torchrun)
+it trains `mlp` on `digits_like` for STEPS steps of its shard (rank 1 raising or calling sys.exit
+at its third step, where asked) and saves each rank's final flat parameters
 as OUT/rank<r>.pt; imported, it gives `ako train` the same model and data."""
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def digits_like(n: int = 384) -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, y)
 
 
-def main(out: str, steps: int, sleep: float) -> None:
+def main(out: str, steps: int, sleep: float, fail: str = "") -> None:
     torch.manual_seed(0)
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, nesterov=True, weight_decay=WEIGHT_DECAY)
@@ -45,6 +46,8 @@ def main(out: str, steps: int, sleep: float) -> None:
             optimizer.step()
             time.sleep(sleep)
             done += 1
+            if fail and done == 3 and os.environ["RANK"] == "1":  # the user's code fails on rank 1
+                raise RuntimeError("boom") if fail == "raise" else SystemExit(3)
             if done == steps:
                 break
     model = ako.finish(model)
@@ -53,4 +56,5 @@ def main(out: str, steps: int, sleep: float) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 6, float(sys.argv[3]) if len(sys.argv) > 3 else 0.0)
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 6, float(sys.argv[3]) if len(sys.argv) > 3 else 0.0,
+         sys.argv[4] if len(sys.argv) > 4 else "")

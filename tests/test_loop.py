@@ -141,6 +141,19 @@ def test_a_killed_rank_under_ako_run_is_named_and_the_others_finish(tmp_path, st
         assert torch.allclose(torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank2.pt"), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("strategy,fail,said", [
+    ("ako", "raise", "worker rank 1 lost: the script raised RuntimeError: boom; the others go on without it"),
+    ("allreduce", "exit", "worker rank 1 failed: the script ended before ako.finish (sys.exit, or the loop returned early)"),
+])  # fmt: skip
+def test_a_script_that_fails_before_finish_is_named_with_its_cause(tmp_path, strategy, fail, said):
+    """Not "killed by SIGABRT", which tearing down under the communication threads gave."""
+    out = ako_run("--workers", "2", "--strategy", strategy, "--timeout", "20", SCRIPT, str(tmp_path), "8", "0.05", fail,
+                  cwd=tmp_path)  # fmt: skip
+    assert out.returncode == (0 if strategy == "ako" else 1), out.stderr
+    assert [line for line in out.stderr.splitlines() if line.startswith("ako run:")] == [f"ako run: {said}"], out.stderr
+    assert "SIGABRT" not in out.stderr and "terminate called" not in out.stderr
+
+
 def test_a_stopped_rank_under_ako_run_is_dropped_and_not_waited_for_again(tmp_path):
     """SIGSTOP: the others drop rank 1 after the timeout (10 s) and finish; the launcher then
     gives it up at once (it would never end), not after a second timeout (which took 23 s)."""

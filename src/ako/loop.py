@@ -23,6 +23,7 @@ the launcher prints it). Bad usage is one line and exit status 2, before anythin
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import sys
@@ -334,7 +335,27 @@ class Loop:
         # nanoGPT's way to say no_sync under DDP: model.require_backward_grad_sync = False
         self.driver.guard = self._guarded
         self.driver.wants_sync = lambda: getattr(model, "require_backward_grad_sync", True) is not False
+        self.finished = False
+        self._watch_the_exit()
         self._patch()
+
+    def _watch_the_exit(self) -> None:
+        """A script that ends before `ako.finish` (an exception, sys.exit) would tear down under
+        the communication threads, which aborts (SIGABRT) and hides why: end it here instead,
+        naming the cause (exit status 1), as a failure inside ako is named."""
+        hook = sys.excepthook
+
+        def raised(kind, value, tb):
+            hook(kind, value, tb)
+            if not self.finished:
+                self._fail(RuntimeError(f"the script raised {kind.__name__}: {one_line(value)}"))
+
+        def left():
+            if not self.finished:
+                self._fail(RuntimeError("the script ended before ako.finish (sys.exit, or the loop returned early)"))
+
+        sys.excepthook = raised
+        atexit.register(left)  # after torch's handlers, so before them
 
     def _notice(self) -> str:
         if self.config.strategy == "ako":
@@ -426,6 +447,7 @@ class Loop:
             f.write(json.dumps(record) + "\n")  # one write of a whole line
 
     def finish(self) -> nn.Module:
+        self.finished = True
         facts = self._guarded(self.driver.finish)
         self.runtime.clock.stop()
         if self.replicas is not None:
