@@ -288,6 +288,8 @@ def test_bad_sweep_and_report_arguments(tmp_path, capsys):
     assert "jobs '0': must be an integer from 1 to 256" in capsys.readouterr().err
     assert main(["report", str(tmp_path)]) == 2
     assert re.search(r"no sweep.toml in it", capsys.readouterr().err)
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "missing': no such directory (ako sweep writes one under sweeps/)" in capsys.readouterr().err
     (tmp_path / "sweep.toml").write_text(TINY)
     assert main(["report", str(tmp_path)]) == 2
     assert "no finished cell yet" in capsys.readouterr().err

@@ -61,6 +61,8 @@ def write_report(sweep_dir: str | Path, out: str | Path | None = None) -> tuple[
     which report.md names too. Raises ConfigError when `sweep_dir` is not a
     sweep directory or has no finished cell."""
     sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise ConfigError(f"sweep directory {str(sweep_dir)!r}: no such directory (ako sweep writes one under sweeps/)")
     if not (sweep_dir / "sweep.toml").is_file():
         raise ConfigError(f"sweep directory {str(sweep_dir)!r}: no sweep.toml in it (not written by ako sweep)")
     sweep = load_sweep(sweep_dir / "sweep.toml")
