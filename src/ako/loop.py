@@ -355,7 +355,7 @@ class Loop:
                 self._fail(RuntimeError("the script ended before ako.finish (sys.exit, or the loop returned early)"))
 
         sys.excepthook = raised
-        atexit.register(left)  # after torch's handlers, so before them
+        atexit.register(left)  # registered after torch's handlers, so it runs before them (last in, first out)
 
     def _notice(self) -> str:
         if self.config.strategy == "ako":

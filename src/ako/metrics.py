@@ -422,13 +422,11 @@ def _syncs(s: dict) -> str:
 
 def figures_apart(a, b) -> tuple[str, str]:
     """Two metrics as printed, with up to 6 decimals where 4 would print different values alike."""
-    for decimals in (5, 6):
-        if figure(a, 4) != figure(b, 4):
-            break
+    for decimals in (4, 5, 6):
         x, y = figure(a, decimals), figure(b, decimals)
         if x != y:
             return x, y
-    return figure(a, 4), figure(b, 4)
+    return figure(a), figure(b)  # equal: as every other figure
 
 
 def _rounded(x: float | None) -> float | None:
