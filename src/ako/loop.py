@@ -348,7 +348,8 @@ class Loop:
         def raised(kind, value, tb):
             hook(kind, value, tb)
             if not self.finished:
-                self._fail(RuntimeError(f"the script raised {kind.__name__}: {one_line(value)}"))
+                said = f": {one_line(value)}" if str(value).strip() else ""  # a bare KeyboardInterrupt has no message
+                self._fail(RuntimeError(f"the script raised {kind.__name__}{said}"))
 
         def left():
             if not self.finished:

@@ -417,7 +417,8 @@ def _syncs(s: dict) -> str:
     fragments = f", one of {s['fragments']} fragments every {every}" if s["fragments"] > 1 else ""
     never = (f": H is longer than this run's {s['iterations']} steps, so the replicas trained apart "
              "(a smaller --sync-every syncs them)") if s["outer_steps"] == 0 else ""  # fmt: skip
-    return f"  outer steps      {s['outer_steps']} (every H = {s['sync_every']} steps{fragments}){never}"
+    steps = f"{s['sync_every']} step{'s' if s['sync_every'] != 1 else ''}"
+    return f"  outer steps      {s['outer_steps']} (every H = {steps}{fragments}){never}"
 
 
 def figures_apart(a, b) -> tuple[str, str]:
