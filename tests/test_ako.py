@@ -163,6 +163,21 @@ def test_the_ledger_never_holds_more_than_the_staleness_bound_allows(tmp_path, m
     assert result.summary["per_worker"][0]["idle_seconds"] > 0.01  # the bound bites: it waits for the straggler
 
 
+@pytest.mark.parametrize("latency,staleness,expected", [("2ms", None, 1), ("10ms", None, 3), ("100ms", None, 4),
+                                                        ("100ms", 2, 2)])  # fmt: skip
+def test_staleness_auto_covers_a_windows_all_reduce_on_the_ring(tmp_path, latency, staleness, expected):
+    """With an outer step (AdamW, the ring) s = auto is the fewest steps that cover a window's
+    all-reduce, at most 4; a given --staleness stands. 3 workers on a free link: the ring takes
+    2 (n - 1) x latency = 4 x latency against a step's 16 samples x 1 ms: 8/16 of a step at 2 ms
+    (s = 1), 40/16 at 10 ms (s = 3), 400/16 at 100 ms (the cap, 4)."""
+    config = small_config(tmp_path, strategy="ako", workers=3, optimizer="adamw", lr=3e-3, momentum=None, partitions=2,
+                          staleness=staleness, seconds_per_sample=1e-3, latency=latency)  # fmt: skip
+    result = ako.simulate(config)
+    assert (result.summary["exchange"], result.summary["staleness_bound"]) == ("ring", expected)
+    assert ("staleness s = " in result.summary["partitions_reason"]) == (staleness is None)
+    assert torch.equal(result.workers[0].params, result.workers[2].params)  # every window settled, however late
+
+
 def _window(src: int, step: int, part: int, value: float) -> Message:
     return Message(src, AKO_WINDOW, step, part, torch.full((2,), value))
 

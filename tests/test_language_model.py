@@ -116,14 +116,16 @@ def test_ako_at_one_partition_in_lock_step_equals_allreduce_with_adamw(tmp_path,
 
 @pytest.mark.parametrize("exchange", ["auto", "all-to-all"])
 def test_ako_with_adamw_ends_with_equal_replicas_and_trains(tmp_path, corpus, exchange):
-    """Defaults (p = auto, s = 1) with AdamW: windows of deltas with the outer step on the ring
-    (p at least 8), and on all-to-all windows of gradients: the replicas are one after the final
+    """Defaults (p = auto, s = auto) with AdamW: windows of deltas with the outer step on the ring
+    (p at least 8, s timed), and on all-to-all windows of gradients (s = 1): the replicas are one after the final
     call, and the validation loss falls from the start's."""
     result = ako.train(lm_config(tmp_path, corpus, strategy="ako", eval_every=1.0, epochs=4.0, exchange=exchange))
     facts = result.workers[0].facts
     if exchange == "auto":
         assert (facts["exchange"], facts["partitions"]) == ("ring", 8)
         assert result.summary["windows"] == "deltas with an outer step (lr 0.8, momentum 0.6)"
+        s = facts["staleness_bound"]  # auto, from an all-reduce timed on these processes
+        assert 1 <= s <= 4 and f"staleness s = {s} (auto: a window's all-reduce takes" in facts["partitions_reason"]
     else:
         assert (facts["exchange"], result.summary["windows"]) == ("all-to-all", "gradients")
     first, last = result.workers[0].params, result.workers[1].params

@@ -41,10 +41,11 @@ Two exchanges of the windows (`--exchange`):
   the run. `auto` picks all-to-all below RING_FROM workers where it fits the link with
   p <= p_max, and the ring otherwise (`choose_plan`).
 
-p and the staleness bound s: see `choose_plan` (p = auto is capped at `p_max`) and
-DEFAULT_STALENESS. A worker waits, after sending step t, until every peer has sent step t - s,
-so the ledger holds at most s + 1 windows and the link's backlog stays bounded: when the link
-cannot carry the traffic, the steps wait for it (backpressure).
+p and the staleness bound s: see `choose_plan` (p = auto is capped at `p_max`),
+DEFAULT_STALENESS and `choose_staleness` (s = auto on the ring with an outer step). A worker
+waits, after sending step t, until every peer has sent step t - s, so the ledger holds at most
+s + 1 windows and the link's backlog stays bounded: when the link cannot carry the traffic,
+the steps wait for it (backpressure).
 
 Partial steps behind a straggler (A-BSP's partial processing, Wang et al., Middleware 2018,
 applied to Ako's steps; s >= 1): the bound would make every worker wait for the slowest. A
@@ -77,8 +78,8 @@ from ako.strategies.compress import CODECS, COMPRESSIONS, Codec
 from ako.strategies.mean import Mean
 from ako.strategies.micro_batch import check_micro_batch, default_micro_batch
 from ako.strategies.nesterov import Nesterov
-from ako.strategies.ops import (AllReduce, Compute, ComputePartial, MeasureBandwidth, MeasureStep, Message, PeerLost, Poll,
-                               Recv, Send)  # fmt: skip
+from ako.strategies.ops import (AllReduce, Compute, ComputePartial, MeasureAllReduce, MeasureBandwidth, MeasureStep, Message,
+                               PeerLost, Poll, Recv, Send)  # fmt: skip
 from ako.strategies.partition import auto_partitions, partition_bounds
 from ako.strategies.tags import AKO_LOSS, AKO_PROGRESS, AKO_REPLICA, AKO_WINDOW
 
@@ -88,7 +89,9 @@ _FLUSH_STEP = 1 << 62  # the ledger's key for the own flush, after every step
 P_MAX = 8  # the most partitions p = auto chooses (measured: docs/results.md, experiment 1) ...
 P_MAX_SMALL_BATCH = 4  # ... but at fewer than SMALL_BATCH samples a step, where p = 8 diverged
 SMALL_BATCH = 16
-DEFAULT_STALENESS = 1  # steps a worker may run ahead of the slowest peer it has heard from
+DEFAULT_STALENESS = 1  # steps a worker may run ahead of the slowest peer it has heard from ...
+S_AUTO_MAX = 4  # ... on the ring with an outer step, as many as cover a window's all-reduce, at most this many
+S_SLACK = 0.1  # (`choose_staleness`) a wait under a tenth of a step, or a measurement's noise, is not worth a step more of staleness
 RING_FROM = 8  # `--exchange auto`: the ring from this many workers on
 EXCHANGES = ("auto", "all-to-all", "ring")  # --exchange
 UPDATES = ("auto", "deltas", "gradients")  # --update
@@ -102,8 +105,9 @@ def worker(ctx):
     """Worker program; returns the exchange, partitions and why, for the run summary, and on
     rank 0 its replica before the flush (`unflushed`, (numel,)), so the run can hand back the
     better of the two models."""
-    exchange, p, reason = yield from choose_plan(ctx)
-    s = DEFAULT_STALENESS if ctx.config.staleness is None else ctx.config.staleness
+    exchange, p, reason, budget = yield from choose_plan(ctx)
+    s, why = yield from choose_staleness(ctx, exchange, p, budget)
+    reason += why
     parts = partition_bounds(ctx.replica.numel, p, ctx.replica.boundaries)
     run = _ring if exchange == "ring" else _all_to_all
     steps, unflushed = yield from run(ctx, parts, s)
@@ -561,7 +565,8 @@ def check(config, replica) -> None:
 
 
 def choose_plan(ctx):
-    """The exchange and p, and why: (exchange, p, a one-line reason).
+    """The exchange and p, and why: (exchange, p, a one-line reason, the `Budget` measured or
+    None where p needed none).
 
     `--exchange auto` takes all-to-all, which survives a lost worker, where it fits the link
     with p <= p_max, and the ring (fewer bytes whatever n) from RING_FROM workers on or where
@@ -574,29 +579,61 @@ def choose_plan(ctx):
     ring_only = form(c)[1] != PLAIN_SWAP  # an outer step needs each step's whole mean
     if n == 1:
         auto = "ring" if ring_only else "all-to-all"
-        return (auto if c.exchange == "auto" else c.exchange), 1, "a single worker has no peers"
+        return (auto if c.exchange == "auto" else c.exchange), 1, "a single worker has no peers", None
     if c.partitions != "auto":
         exchange = c.exchange if c.exchange != "auto" else ("ring" if n >= RING_FROM or ring_only else "all-to-all")
-        return exchange, c.partitions, "set by --partitions"
-    given = c.bandwidth_bytes
-    step_time = yield MeasureStep()
-    bandwidth = given if given is not None else (yield MeasureBandwidth(ctx.replica.grad_bytes))
-    worst = torch.tensor([-step_time, -bandwidth], dtype=torch.float64)
-    yield AllReduce(worst, "max")
+        return exchange, c.partitions, "set by --partitions", None
     bounds = p_outer(c.step_samples) if ring_only else (1, p_max(c.step_samples))
-    budget = Budget(-worst[1].item(), -worst[0].item(), "given" if given is not None else "measured", *bounds)
+    budget = yield from measure_budget(ctx, *bounds)
     numel = ctx.replica.numel
     grad_bytes = CODECS[c.compress].nbytes(numel)  # a window's bytes as they travel (`--compress`)
     if c.exchange != "auto":
-        return c.exchange, *budget.partitions(c.exchange, n, grad_bytes, numel)
+        return c.exchange, *budget.partitions(c.exchange, n, grad_bytes, numel), budget
     p, reason = budget.partitions("all-to-all", n, grad_bytes, numel)
     if n < RING_FROM and not reason.startswith("link-bound") and not ring_only:
-        return "all-to-all", p, reason
+        return "all-to-all", p, reason, budget
     p, reason = budget.partitions("ring", n, grad_bytes, numel)
     why = (f"there are {n} workers (the ring from {RING_FROM} on)" if n >= RING_FROM
            else "an outer step needs each step's whole mean" if ring_only
            else f"all-to-all would need more than p = {budget.cap}")  # fmt: skip
-    return "ring", p, f"{reason}; the ring, as {why}"
+    return "ring", p, f"{reason}; the ring, as {why}", budget
+
+
+def measure_budget(ctx, floor: int = 1, cap: int = P_MAX):
+    """The link budget every worker agrees on: the slowest worker's step time (seconds) and
+    link (bytes/s; `--bandwidth` where given), by one all-reduce."""
+    given = ctx.config.bandwidth_bytes
+    step_time = yield MeasureStep()
+    bandwidth = given if given is not None else (yield MeasureBandwidth(ctx.replica.grad_bytes))
+    worst = torch.tensor([-step_time, -bandwidth], dtype=torch.float64)
+    yield AllReduce(worst, "max")
+    return Budget(-worst[1].item(), -worst[0].item(), "given" if given is not None else "measured", floor, cap)
+
+
+def choose_staleness(ctx, exchange: str, p: int, budget: "Budget | None"):
+    """The staleness bound s and why (a clause for the summary, "" where there is nothing to
+    say): `--staleness` where given, else DEFAULT_STALENESS; but on the ring with an outer step
+    s = auto, Streaming DiLoCo's tau (arXiv 2501.18512: a fragment's all-reduce overlaps
+    tau inner steps): the fewest steps that cover one window's all-reduce,
+    ceil(T_allreduce / T - S_SLACK), T the time between steps (a step's compute, or the
+    window's transfer where the link is slower: the steps then go at the link's pace), at most
+    S_AUTO_MAX. With s = 1 a worker waits each step for the rest of the all-reduce: at 64
+    workers on 1 Gbit/s, the ring's 2 (n - 1) x 50 us of latency is 6.3 ms against a step's
+    2.4 ms (docs/results.md, "Ako against DiLoCo and Streaming DiLoCo")."""
+    n, c = ctx.world_size, ctx.config
+    if c.staleness is not None:
+        return c.staleness, ""
+    if exchange != "ring" or n == 1 or form(c)[1] == PLAIN_SWAP:
+        return DEFAULT_STALENESS, ""
+    if budget is None:
+        budget = yield from measure_budget(ctx)
+    window = CODECS[c.compress].nbytes(-(-ctx.replica.numel // p))
+    seconds = yield MeasureAllReduce(window)
+    transfer = 2 * (n - 1) / n * window / budget.bandwidth  # 0 on a free link
+    period = max(budget.step_time, transfer)
+    s = min(max(math.ceil(seconds / period - S_SLACK), 1), S_AUTO_MAX)
+    return s, (f"; staleness s = {s} (auto: a window's all-reduce takes {seconds * 1e3:.3g} ms, "
+               f"{seconds / period:.2f} x the {period * 1e3:.3g} ms between steps; at most {S_AUTO_MAX})")  # fmt: skip
 
 
 def p_max(step_samples: int) -> int:
@@ -687,7 +724,8 @@ STRATEGY = Strategy(
                "or auto (ring from 8 workers on, with an outer step, or where all-to-all would not fit the link)",
                choices=EXCHANGES),
         # no default here (None is DEFAULT_STALENESS): config.toml would record it, and ssp would take it from there
-        Option(name="staleness", help="staleness bound s (0 = lock-step; default 1)", check=Integer("staleness", 0, 1000)),
+        Option(name="staleness", help="staleness bound s (0 = lock-step; default 1, but auto on the ring "
+               "with an outer step: the steps a window's all-reduce takes, at most 4)", check=Integer("staleness", 0, 1000)),
         Option(name="micro_batch", help="samples per micro-batch of a straggler's partial steps "
                "(default batch-size / 4; a step's samples, batch-size x accumulate, turn them off)",
                default=default_micro_batch, check=check_micro_batch),

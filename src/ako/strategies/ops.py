@@ -227,6 +227,15 @@ class MeasureBandwidth:
     probe_bytes: int
 
 
+@dataclass(frozen=True)
+class MeasureAllReduce:
+    """Result: seconds one all-reduce of `nbytes` bytes takes over every worker, from a common
+    start, the slowest worker's (measured with a float32 tensor of that size, or the cost
+    model's ring formula, latency included). Every worker must ask it at the same point."""
+
+    nbytes: int
+
+
 class PeerLost(RuntimeError):
     """A peer died, disconnected or was dropped for its silence; `rank` names it, `role`
     ("worker" or "server") says what it was."""

@@ -184,6 +184,9 @@ class DistributedRuntime:
             case ops.MeasureBandwidth(probe_bytes):
                 with self.clock.pause():
                     return self.measure_bandwidth(probe_bytes)
+            case ops.MeasureAllReduce(nbytes):
+                with self.clock.pause():
+                    return self.measure_all_reduce(nbytes)
         raise TypeError(f"unknown operation {op!r}")
 
     def receive(self, tag: int, src: int | None, awaiting=frozenset()):
@@ -319,6 +322,21 @@ class DistributedRuntime:
             slowest = self.all_reduce(torch.tensor([elapsed], dtype=torch.float64), "max", count=False).item()
             size = int(min(max(size / slowest * _PROBE_SECONDS, low), high)) // 4 * 4
         return best
+
+    def measure_all_reduce(self, nbytes: int, repeats: int = 3) -> float:
+        """Seconds of an all-reduce of a float32 tensor of `nbytes` bytes: the median of
+        `repeats` (after one warm-up), each from a common start (a barrier), the slowest
+        worker's. Not counted as traffic."""
+        tensor = torch.zeros(max(nbytes // 4, 1))
+        self.all_reduce(tensor, count=False)
+        times = []
+        for _ in range(repeats):
+            self.barrier()
+            t = time.perf_counter()
+            self.all_reduce(tensor, count=False)
+            times.append(time.perf_counter() - t)
+        slowest = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        return self.all_reduce(slowest, "max", count=False).item()
 
     def gather_reports(self, facts: dict, params: torch.Tensor | None) -> tuple[list[dict], list[torch.Tensor]]:
         """After training: every rank reports to rank 0 by message (no collective, so a dead

@@ -18,7 +18,7 @@ out the operations of `ako.strategies.ops` as the distributed runtime does, with
   all-reduce joins the k-th collective; one started with `wait=False` resumes its worker at
   once, and `Wait` holds it until that collective is over. `ComputeAllReduce` is `Compute`
   and then such a collective, each bucket booked from when every worker had it ready.
-- `MeasureStep` and `MeasureBandwidth` return the cost model's
+- `MeasureStep`, `MeasureBandwidth` and `MeasureAllReduce` return the cost model's
   values; `Lost` is empty (no failures are simulated).
 Evaluations (rank 0's snapshots, and where the replicas differ the consensus distance of
 every worker's copy at the same step) take no virtual time. Same seed, same costs: same result, bit
@@ -205,6 +205,8 @@ class SimulatedRuntime:
                 return self.costs.compute_seconds(self.batch_size)
             case ops.MeasureBandwidth():
                 return self.costs.bandwidth
+            case ops.MeasureAllReduce(nbytes):
+                return self.costs.ring_allreduce_seconds(nbytes, self.workers)
         raise TypeError(f"unknown operation {op!r}")
 
     def _stepped(self, gradient):
