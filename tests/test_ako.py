@@ -166,10 +166,10 @@ def test_the_ledger_never_holds_more_than_the_staleness_bound_allows(tmp_path, m
 @pytest.mark.parametrize("latency,staleness,expected", [("2ms", None, 1), ("10ms", None, 3), ("100ms", None, 4),
                                                         ("100ms", 2, 2)])  # fmt: skip
 def test_staleness_auto_covers_a_windows_all_reduce_on_the_ring(tmp_path, latency, staleness, expected):
-    """With an outer step (AdamW, the ring) s = auto is the fewest steps that cover a window's
+    """With an outer step (AdamW, the ring) s = auto is the fewest steps that hide a window's
     all-reduce, at most 4; a given --staleness stands. 3 workers on a free link: the ring takes
-    2 (n - 1) x latency = 4 x latency against a step's 16 samples x 1 ms: 8/16 of a step at 2 ms
-    (s = 1), 40/16 at 10 ms (s = 3), 400/16 at 100 ms (the cap, 4)."""
+    2 (n - 1) x latency = 4 x latency, a step 16 samples x 1 ms, so s >= (4 x latency + 16 ms) /
+    16 ms - 1: 8/16 at 2 ms (s = 1), 40/16 at 10 ms (s = 3), 400/16 at 100 ms (the cap, 4)."""
     config = small_config(tmp_path, strategy="ako", workers=3, optimizer="adamw", lr=3e-3, momentum=None, partitions=2,
                           staleness=staleness, seconds_per_sample=1e-3, latency=latency)  # fmt: skip
     result = ako.simulate(config)

@@ -614,10 +614,12 @@ def choose_staleness(ctx, exchange: str, p: int, budget: "Budget | None"):
     """The staleness bound s and why (a clause for the summary, "" where there is nothing to
     say): `--staleness` where given, else DEFAULT_STALENESS; but on the ring with an outer step
     s = auto, Streaming DiLoCo's tau (arXiv 2501.18512: a fragment's all-reduce overlaps
-    tau inner steps): the fewest steps that cover one window's all-reduce,
-    ceil(T_allreduce / T - S_SLACK), T the time between steps (a step's compute, or the
-    window's transfer where the link is slower: the steps then go at the link's pace), at most
-    S_AUTO_MAX. With s = 1 a worker waits each step for the rest of the all-reduce: at 64
+    tau inner steps): the fewest steps with which no step waits for an all-reduce, at most
+    S_AUTO_MAX. A worker settles step t's window when step t + s's compute ends, so where the
+    all-reduce (T_allreduce, timed, latency included) binds, a step takes (T_allreduce +
+    T_step) / (s + 1); it cannot take less than T, the longer of a step's compute T_step and
+    the window's transfer (the link's pace). So s = ceil((T_allreduce + T_step) / T - 1 -
+    S_SLACK). With s = 1 a worker waits each step for the rest of the all-reduce: at 64
     workers on 1 Gbit/s, the ring's 2 (n - 1) x 50 us of latency is 6.3 ms against a step's
     2.4 ms (docs/results.md, "Ako against DiLoCo and Streaming DiLoCo")."""
     n, c = ctx.world_size, ctx.config
@@ -631,9 +633,11 @@ def choose_staleness(ctx, exchange: str, p: int, budget: "Budget | None"):
     seconds = yield MeasureAllReduce(window)
     transfer = 2 * (n - 1) / n * window / budget.bandwidth  # 0 on a free link
     period = max(budget.step_time, transfer)
-    s = min(max(math.ceil(seconds / period - S_SLACK), 1), S_AUTO_MAX)
-    return s, (f"; staleness s = {s} (auto: a window's all-reduce takes {seconds * 1e3:.3g} ms, "
-               f"{seconds / period:.2f} x the {period * 1e3:.3g} ms between steps; at most {S_AUTO_MAX})")  # fmt: skip
+    need = (seconds + budget.step_time) / period - 1
+    s = min(max(math.ceil(need - S_SLACK), 1), S_AUTO_MAX)
+    ms = f"{seconds * 1e3:.3g} + {budget.step_time * 1e3:.3g}) / {period * 1e3:.3g} ms"
+    return s, (f"; staleness s = {s} (auto: a window's all-reduce takes {seconds * 1e3:.3g} ms, hidden behind "
+               f"s steps where s >= ({ms} - 1 = {need:.2f}, less a tenth; at most {S_AUTO_MAX})")  # fmt: skip
 
 
 def p_max(step_samples: int) -> int:
