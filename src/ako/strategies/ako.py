@@ -25,7 +25,7 @@ With an adaptive optimizer (AdamW) the mean of the workers' own steps is short (
 on independent noise). So by default (`default_form`) each step's mean window m of deltas goes
 through an outer optimizer, SGD with Nesterov momentum as in DiLoCo (Douillard et al., arXiv
 2311.08105): b <- mu b + m, and the partition moves by lr (m + mu b) in place of the own window
-(`--outer-lr` 0.8, `--outer-momentum` 0.6). That is Streaming DiLoCo (arXiv 2501.18512) with
+(`--outer-lr` 0.7, `--outer-momentum` 0.9: DiLoCo's). That is Streaming DiLoCo (arXiv 2501.18512) with
 H = p fragments of one step each and tau = s, keeping the steps taken while a window travels;
 at p = 1, s = 0 it is DiLoCo with H = 1. Like DiLoCo's H, p then needs to span several steps
 (p = auto takes 8 to 100, fewer for small steps: `p_outer`). It needs a step's whole mean at once: the ring. On
@@ -96,7 +96,7 @@ RING_FROM = 8  # `--exchange auto`: the ring from this many workers on
 EXCHANGES = ("auto", "all-to-all", "ring")  # --exchange
 UPDATES = ("auto", "deltas", "gradients")  # --update
 PLAIN_SWAP = (1.0, 0.0)  # (outer lr, outer momentum) of Ako's own swap: no outer step
-OUTER_STEP = (0.8, 0.6)  # ... and of its outer step, the default for optimizers other than sgd (docs/results.md)
+OUTER_STEP = (0.7, 0.9)  # ... and of its outer step, the default for optimizers other than sgd: DiLoCo's (docs/results.md)
 P_OUTER = (8, 100)  # p = auto with an outer step: at least 8 (shorter windows lost), at most DiLoCo's H = 100 ...
 OUTER_CAP_PER_SAMPLE = 4  # ... and at most 4 x a step's samples (`p_outer`)
 
@@ -739,9 +739,9 @@ STRATEGY = Strategy(
                "a residual (ring) and goes later (error feedback); the final flush goes in float32", choices=COMPRESSIONS),
         # no defaults here (None is default_form's): config.toml would record them, and diloco would take them from there
         Option(name="outer_lr", help="the outer optimizer's lr on each mean window of deltas, on the ring "
-               "(Streaming DiLoCo's outer step with H = p; on the ring, so a lost worker ends the run; default 0.8 for "
+               "(Streaming DiLoCo's outer step with H = p; on the ring, so a lost worker ends the run; default 0.7 for "
                "optimizers other than sgd, 1 for sgd: the plain swap, no outer step)", check=Number("outer_lr", 1e-6, 100.0)),
-        Option(name="outer_momentum", help="the outer optimizer's Nesterov momentum (default 0.6 for optimizers other than sgd, "
+        Option(name="outer_momentum", help="the outer optimizer's Nesterov momentum (default 0.9 for optimizers other than sgd, "
                "0 for sgd)",
                check=Number("outer_momentum", 0.0, 0.999)),
         Option(name="update", help="what a window carries: deltas (each worker's own optimizer steps), gradients "
