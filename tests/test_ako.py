@@ -265,6 +265,19 @@ def test_auto_with_an_outer_step_takes_8_to_100_partitions_and_fewer_for_small_s
     assert p == 32 and why.startswith("link-bound: the link budget asks for p = 34, capped at 32")
 
 
+def test_the_default_outer_step_is_diloco_s_from_8_workers_and_shorter_below():
+    """With AdamW on the ring: lr 0.8, momentum 0.6 at 2 to 7 workers, DiLoCo's 0.7 and 0.9 from 8
+    (docs/results.md); sgd's plain swap, AdamW's windows of gradients on all-to-all and at one
+    worker; --outer-lr and --outer-momentum override each value alone."""
+    forms = [ako_strategy.default_form(True, "auto", n) for n in (1, 2, 7, 8, 64)]
+    assert forms == [("gradients", (1.0, 0.0)), ("deltas", (0.8, 0.6)), ("deltas", (0.8, 0.6)),
+                     ("deltas", (0.7, 0.9)), ("deltas", (0.7, 0.9))]  # fmt: skip
+    assert ako_strategy.default_form(False, "auto", 64) == ("deltas", (1.0, 0.0))
+    assert ako_strategy.default_form(True, "all-to-all", 4) == ("gradients", (1.0, 0.0))
+    assert ako_strategy.default_form(True, "ring", 8, outer_momentum=0.5) == ("deltas", (0.7, 0.5))
+    assert ako_strategy.default_form(True, "ring", 4, outer_lr=1.0) == ("deltas", (1.0, 0.6))
+
+
 def test_the_plans_measurements_are_not_training_time(monkeypatch):
     """`MeasureStep` and `MeasureBandwidth` (p = auto's step time and link) pause the real
     runtime's training clock, as the simulator charges them no virtual time: 0.2 s each of

@@ -123,7 +123,7 @@ def test_ako_with_adamw_ends_with_equal_replicas_and_trains(tmp_path, corpus, ex
     facts = result.workers[0].facts
     if exchange == "auto":
         assert (facts["exchange"], facts["partitions"]) == ("ring", 8)
-        assert result.summary["windows"] == "deltas with an outer step (lr 0.7, momentum 0.9)"
+        assert result.summary["windows"] == "deltas with an outer step (lr 0.8, momentum 0.6)"
         s = facts["staleness_bound"]  # auto, from an all-reduce timed on these processes
         assert 1 <= s <= 4 and f"staleness s = {s} (auto: a window's all-reduce takes" in facts["partitions_reason"]
     else:
