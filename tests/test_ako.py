@@ -163,18 +163,18 @@ def test_the_ledger_never_holds_more_than_the_staleness_bound_allows(tmp_path, m
     assert result.summary["per_worker"][0]["idle_seconds"] > 0.01  # the bound bites: it waits for the straggler
 
 
-@pytest.mark.parametrize("latency,staleness,expected", [("2ms", None, 1), ("10ms", None, 3), ("100ms", None, 4),
+@pytest.mark.parametrize("latency,staleness,expected", [("2ms", None, 1), ("10ms", "auto", 3), ("100ms", None, 4),
                                                         ("100ms", 2, 2)])  # fmt: skip
 def test_staleness_auto_covers_a_windows_all_reduce_on_the_ring(tmp_path, latency, staleness, expected):
     """With an outer step (AdamW, the ring) s = auto is the fewest steps that hide a window's
-    all-reduce, at most 4; a given --staleness stands. 3 workers on a free link: the ring takes
+    all-reduce, at most 4 (unset or "auto"); a given --staleness stands. 3 workers on a free link: the ring takes
     2 (n - 1) x latency = 4 x latency, a step 16 samples x 1 ms, so s >= (4 x latency + 16 ms) /
     16 ms - 1: 8/16 at 2 ms (s = 1), 40/16 at 10 ms (s = 3), 400/16 at 100 ms (the cap, 4)."""
     config = small_config(tmp_path, strategy="ako", workers=3, optimizer="adamw", lr=3e-3, momentum=None, partitions=2,
                           staleness=staleness, seconds_per_sample=1e-3, latency=latency)  # fmt: skip
     result = ako.simulate(config)
     assert (result.summary["exchange"], result.summary["staleness_bound"]) == ("ring", expected)
-    assert ("staleness s = " in result.summary["partitions_reason"]) == (staleness is None)
+    assert ("staleness s = " in result.summary["partitions_reason"]) == (staleness in (None, "auto"))
     assert torch.equal(result.workers[0].params, result.workers[2].params)  # every window settled, however late
 
 
@@ -263,6 +263,16 @@ def test_auto_with_an_outer_step_takes_8_to_100_partitions_and_fewer_for_small_s
     assert plans[2][1].startswith("link-bound: the link budget asks for p = 340, capped at 100")
     p, why = ako_strategy.Budget(2e6, 0.008, "given", *ako_strategy.p_outer(8)).partitions("ring", 4, G, numel)
     assert p == 32 and why.startswith("link-bound: the link budget asks for p = 34, capped at 32")
+
+
+def test_staleness_auto_without_compute_or_link_time_takes_the_cap(tmp_path):
+    """Steps that take no time (no --seconds-per-sample, a free link) leave only the ring's
+    latency: s = auto is the cap, 4, and the run ends with equal replicas."""
+    config = small_config(tmp_path, strategy="ako", workers=3, optimizer="adamw", lr=3e-3, momentum=None,
+                          seconds_per_sample=0.0, latency="50us")  # fmt: skip
+    result = ako.simulate(config)
+    assert result.summary["staleness_bound"] == 4
+    assert torch.equal(result.workers[0].params, result.workers[2].params)
 
 
 def test_the_default_outer_step_is_diloco_s_from_8_workers_and_shorter_below():

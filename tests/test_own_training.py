@@ -111,17 +111,18 @@ def test_the_summary_says_the_learning_rate_and_betas_the_strategy_took(tmp_path
     ("ssp", "nadam", None, {}, (0.5, 0.999)), ("ako", "adamw", None, {}, (0.5, 0.999)),
     ("ako", "adamw", None, {"partitions": 1}, (0.5, 0.999)), ("asp", "adamw", [0.8, 0.95], {}, (0.8, 0.95)),
     ("ako", "adamw", None, {"partitions": 1, "staleness": 0}, (0.9, 0.999)),
+    ("ako", "adamw", None, {"staleness": "auto"}, (0.5, 0.999)), ("ako", "adamw", None, {"workers": 1}, (0.9, 0.999)),
     ("allreduce", "adamw", None, {}, (0.9, 0.999)), ("gossip", "adamw", None, {}, (0.9, 0.999)),
     ("asp", "sgd", None, {}, None), ("ako", "sgd", None, {}, None),
 ])  # fmt: skip
 def test_stale_steps_take_a_lower_beta1_unless_betas_are_given(strategy, optimizer, given, settings, betas):
-    """ssp's, asp's and (out of lock-step) ako's workers step on stale parameters: Adam's
-    family gets beta1 0.5 there, the user's betas where given, and sgd (no betas) keeps its
-    momentum."""
+    """ssp's, asp's and (out of lock-step, with peers) ako's workers step on stale parameters:
+    Adam's family gets beta1 0.5 there, the user's betas where given, and sgd (no betas) keeps
+    its momentum."""
     from ako.strategies import STRATEGIES
 
-    config = validate(TrainConfig(strategy=strategy, workers=4, optimizer=optimizer,
-                                  optimizer_args={"betas": given} if given else None, **settings,
+    config = validate(TrainConfig(strategy=strategy, optimizer=optimizer,
+                                  optimizer_args={"betas": given} if given else None, **{"workers": 4, **settings},
                                   **({"momentum": None, "nesterov": None, "weight_decay": None} if optimizer != "sgd" else {})))  # fmt: skip
     built = Optimization(config, 8, stale_steps=STRATEGIES[strategy].steps_stale(config)).build(torch.zeros(3))
     group = built.optimizer.param_groups[0]

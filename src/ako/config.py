@@ -79,7 +79,7 @@ class TrainConfig:
     partitions: int | str = "auto"  # ako: p, or "auto"
     exchange: str = "auto"  # ako: how windows travel: "all-to-all", "ring", or "auto" (by the number of workers)
     update: str = "auto"  # ako: what a window carries: "deltas", "gradients", or "auto" (deltas for sgd)
-    staleness: int | None = None  # ako: bound s (0 = lock-step; default 1); ssp: s (default 2)
+    staleness: int | str | None = None  # ako: bound s (0 = lock-step) or auto (the default); ssp: s (default 2)
     bandwidth: str | None = None  # link budget, e.g. "1Gbit" or "50MB"; measured when None (simulate: every link's rate, free when None)
     servers: int | None = None  # parameter-server strategies: server processes (default 1)
     micro_batch: int | None = None  # absp, ako: samples per interruptible micro-batch (default batch_size // 4)

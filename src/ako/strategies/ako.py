@@ -312,8 +312,8 @@ def stale_steps(config) -> bool:
     peers' windows of the last p + s steps are still to come, so Adam's beta1 is lowered there
     (`ako.optim.stale_betas`; measured on the gpt, docs/results.md: with beta1 0.9 Ako ended
     0.15 nats above allreduce on loopback, with 0.5 below it)."""
-    staleness = DEFAULT_STALENESS if config.staleness is None else config.staleness
-    return (config.partitions, staleness) != (1, 0)
+    staleness = DEFAULT_STALENESS if config.staleness in (None, "auto") else config.staleness
+    return config.workers > 1 and (config.partitions, staleness) != (1, 0)
 
 
 def survives_loss(config) -> bool:
@@ -631,7 +631,7 @@ def choose_staleness(ctx, exchange: str, p: int, budget: "Budget | None"):
     workers on 1 Gbit/s, the ring's 2 (n - 1) x 50 us of latency is 6.3 ms against a step's
     2.4 ms (docs/results.md, "Ako against DiLoCo and Streaming DiLoCo")."""
     n, c = ctx.world_size, ctx.config
-    if c.staleness is not None:
+    if c.staleness not in (None, "auto"):
         return c.staleness, ""
     if exchange != "ring" or n == 1 or form(c)[1] == PLAIN_SWAP:
         return DEFAULT_STALENESS, ""
@@ -641,11 +641,15 @@ def choose_staleness(ctx, exchange: str, p: int, budget: "Budget | None"):
     seconds = yield MeasureAllReduce(window)
     transfer = 2 * (n - 1) / n * window / budget.bandwidth  # 0 on a free link
     period = max(budget.step_time, transfer)
-    need = (seconds + budget.step_time) / period - 1
-    s = min(max(math.ceil(need - S_SLACK), 1), S_AUTO_MAX)
-    ms = f"{seconds * 1e3:.3g} + {budget.step_time * 1e3:.3g}) / {period * 1e3:.3g} ms"
-    return s, (f"; staleness s = {s} (auto: a window's all-reduce takes {seconds * 1e3:.3g} ms, hidden behind "
-               f"s steps where s >= ({ms} - 1 = {need:.2f}, less a tenth; at most {S_AUTO_MAX})")  # fmt: skip
+    if period > 0:
+        need = min((seconds + budget.step_time) / period - 1 - S_SLACK, S_AUTO_MAX)
+    else:  # steps that take no time (a simulation without compute or link): only the latency counts
+        need = S_AUTO_MAX if seconds > 0 else 0.0
+    s = min(max(math.ceil(need), 1), S_AUTO_MAX)
+    rule = (f"s >= ({seconds * 1e3:.3g} + {budget.step_time * 1e3:.3g}) / {period * 1e3:.3g} ms - {1 + S_SLACK:g} = "
+            f"{need:.2f}" if period > 0 else "the steps take no time")  # fmt: skip
+    return s, (f"; staleness s = {s} (auto: a window's all-reduce takes {seconds * 1e3:.3g} ms; the fewest s from 1 "
+               f"to {S_AUTO_MAX} that hides it, {rule})")  # fmt: skip
 
 
 def p_max(step_samples: int) -> int:
@@ -736,8 +740,8 @@ STRATEGY = Strategy(
                "or auto (ring from 8 workers on, with an outer step, or where all-to-all would not fit the link)",
                choices=EXCHANGES),
         # no default here (None is DEFAULT_STALENESS): config.toml would record it, and ssp would take it from there
-        Option(name="staleness", help="staleness bound s (0 = lock-step; default 1, but auto on the ring "
-               "with an outer step: the steps a window's all-reduce takes, at most 4)", check=Integer("staleness", 0, 1000)),
+        Option(name="staleness", help="staleness bound s (0 = lock-step), or auto (the default): 1, but on the "
+               "ring with an outer step the fewest steps that hide a window's all-reduce, 1 to 4)", check=Integer("staleness", 0, 1000, auto=True)),
         Option(name="micro_batch", help="samples per micro-batch of a straggler's partial steps "
                "(default batch-size / 4; a step's samples, batch-size x accumulate, turn them off)",
                default=default_micro_batch, check=check_micro_batch),
