@@ -25,9 +25,9 @@ With an adaptive optimizer (AdamW) the mean of the workers' own steps is short (
 on independent noise). So by default (`default_form`) each step's mean window m of deltas goes
 through an outer optimizer, SGD with Nesterov momentum as in DiLoCo (Douillard et al., arXiv
 2311.08105): b <- mu b + m, and the partition moves by lr (m + mu b) in place of the own window
-(`--outer-lr` 0.7, `--outer-momentum` 0.9: DiLoCo's; 0.8 and 0.6 below 8 workers). That is Streaming DiLoCo (arXiv 2501.18512) with
-H = p fragments of one step each and tau = s, keeping the steps taken while a window travels;
-at p = 1, s = 0 it is DiLoCo with H = 1. Like DiLoCo's H, p then needs to span several steps
+(`--outer-lr` 0.7, `--outer-momentum` 0.9: DiLoCo's; 0.8 and 0.6 below 8 workers). That is
+Streaming DiLoCo (arXiv 2501.18512) with H = p fragments of one step each and tau = s,
+keeping the steps taken while a window travels; at p = 1, s = 0 it is DiLoCo with H = 1. Like DiLoCo's H, p then needs to span several steps
 (p = auto takes 8 to 100, fewer for small steps: `p_outer`). It needs a step's whole mean at once: the ring. On
 all-to-all, adaptive optimizers get DGA's windows of gradients (GradientSteps).
 
@@ -312,8 +312,13 @@ def stale_steps(config) -> bool:
     peers' windows of the last p + s steps are still to come, so Adam's beta1 is lowered there
     (`ako.optim.stale_betas`; measured on the gpt, docs/results.md: with beta1 0.9 Ako ended
     0.15 nats above allreduce on loopback, with 0.5 below it)."""
-    staleness = DEFAULT_STALENESS if config.staleness in (None, "auto") else config.staleness
-    return config.workers > 1 and (config.partitions, staleness) != (1, 0)
+    staleness = given_staleness(config)
+    return config.workers > 1 and (config.partitions, DEFAULT_STALENESS if staleness is None else staleness) != (1, 0)
+
+
+def given_staleness(config) -> int | None:
+    """`--staleness` as a number, or None where it is auto (unset or "auto": `choose_staleness`)."""
+    return None if config.staleness in (None, "auto") else config.staleness
 
 
 def survives_loss(config) -> bool:
@@ -631,8 +636,8 @@ def choose_staleness(ctx, exchange: str, p: int, budget: "Budget | None"):
     workers on 1 Gbit/s, the ring's 2 (n - 1) x 50 us of latency is 6.3 ms against a step's
     2.4 ms (docs/results.md, "Ako against DiLoCo and Streaming DiLoCo")."""
     n, c = ctx.world_size, ctx.config
-    if c.staleness not in (None, "auto"):
-        return c.staleness, ""
+    if (given := given_staleness(c)) is not None:
+        return given, ""
     if exchange != "ring" or n == 1 or form(c)[1] == PLAIN_SWAP:
         return DEFAULT_STALENESS, ""
     if budget is None:
