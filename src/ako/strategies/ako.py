@@ -647,12 +647,12 @@ def choose_staleness(ctx, exchange: str, p: int, budget: "Budget | None"):
     transfer = 2 * (n - 1) / n * window / budget.bandwidth  # 0 on a free link
     period = max(budget.step_time, transfer)
     if period > 0:
-        need = min((seconds + budget.step_time) / period - 1 - S_SLACK, S_AUTO_MAX)
+        need = (seconds + budget.step_time) / period - 1 - S_SLACK
     else:  # steps that take no time (a simulation without compute or link): only the latency counts
-        need = S_AUTO_MAX if seconds > 0 else 0.0
-    s = min(max(math.ceil(need), 1), S_AUTO_MAX)
+        need = math.inf if seconds > 0 else 0.0
+    s = min(max(math.ceil(min(need, S_AUTO_MAX)), 1), S_AUTO_MAX)
     rule = (f"s >= ({seconds * 1e3:.3g} + {budget.step_time * 1e3:.3g}) / {period * 1e3:.3g} ms - {1 + S_SLACK:g} = "
-            f"{need:.2f}" if period > 0 else "the steps take no time")  # fmt: skip
+            f"{need:.2f}{', capped' if need > S_AUTO_MAX else ''}" if period > 0 else "the steps take no time")  # fmt: skip
     return s, (f"; staleness s = {s} (auto: a window's all-reduce takes {seconds * 1e3:.3g} ms; the fewest s from 1 "
                f"to {S_AUTO_MAX} that hides it, {rule})")  # fmt: skip
 
