@@ -75,6 +75,9 @@ def test_under_ako_defaults_the_replicas_are_equal_after_finish_and_the_run_dire
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps_per_worker"] == [12, 12] and summary["final_consensus_distance"] < 1e-6
+    # the plan Ako chose, as `ako train` prints it: 2 workers, sgd, so all-to-all with the plain swap
+    assert (summary["exchange"], summary["staleness_bound"], summary["iterations"]) == ("all-to-all", 1, 12)
+    assert f"  partitions       p = {summary['partitions']}, all-to-all, staleness bound 1, windows of {summary['windows']} (" in out.stderr
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [4, 8, 12]
     assert all(r["replicas"] == 2 and r["consensus_distance"] >= 0 and r["bytes_sent"] > 0 for r in records)

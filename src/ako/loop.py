@@ -42,7 +42,7 @@ from ako.checks import ConfigError
 from ako.cluster import Slowdown, parse_straggler
 from ako.config import TrainConfig, to_toml, validate
 from ako.data.sampler import ShardBatches
-from ako.metrics import create_run_dir, write_atomic
+from ako.metrics import create_run_dir, plan_lines, strategy_facts, write_atomic
 from ako.replica import Replica
 from ako.run.consensus import consensus_distance
 from ako.runtime.distributed import liveness, quiet
@@ -497,10 +497,14 @@ class Loop:
         summary["lost"] = sorted(self.runtime.mailbox.lost)
         if self.strategy.summarise is not None:
             summary.update(self.strategy.summarise(reports))
+        summary.update(iterations=reports[0]["steps"], **strategy_facts(reports))
         summary["per_rank"] = reports
+        plan = "".join(f"\n{line}" for line in plan_lines(summary))  # p, s, outer steps: what the strategy chose
         if self.run_dir is not None:
             write_atomic(self.run_dir / "summary.json", json.dumps(summary, indent=2))
-            print(f"ako: the synchronisation metrics are in {self.run_dir}", file=sys.stderr, flush=True)
+            print(f"ako: the synchronisation metrics are in {self.run_dir}{plan}", file=sys.stderr, flush=True)
+        elif plan:
+            print(f"ako: {self.config.strategy}{plan}", file=sys.stderr, flush=True)
         self.summary = summary
 
     # --- failures ----------------------------------------------------------------------------

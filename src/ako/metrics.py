@@ -229,20 +229,11 @@ def format_summary(s: dict) -> str:
     if s.get("lost_ranks"):
         lost = s.get("lost") or [{"rank": r, "role": "worker", "how": "died", "reason": ""} for r in s["lost_ranks"]]
         lines.append(f"  lost             {'; '.join(map(loss_text, lost))}; the others carried on")
-    if "partitions" in s:
-        lines.append(
-            f"  partitions       p = {s['partitions']}, {s['exchange']}, staleness bound {s['staleness_bound']}"
-            f"{', windows of ' + s['windows'] if 'windows' in s else ''} ({s['partitions_reason']})"
-        )
+    lines += plan_lines(s)
     if s.get("partial_steps"):
         cut, short = per_worker(s, "partial_steps"), per_worker(s, "samples_short")
         lines.append(f"  partial steps    steps cut short behind the peers {cut}, samples fewer than whole steps {short} "
                      f"(per worker{f', {_ranks(s)}' if _ranks(s) else ''}; what a step left went first in the next, so the run trained that many samples fewer)")  # fmt: skip
-    if "outer_steps" in s:
-        lines.append(_syncs(s))
-    if "tau_reason" in s:
-        never = f"; longer than this run's {s['iterations']} steps: one round, at its end" if s["tau"] > s["iterations"] else ""
-        lines.append(f"  elastic rounds   every tau = {s['tau']} step{'s' if s['tau'] != 1 else ''} ({s['tau_reason']}){never}")
     if s.get("final_model"):
         m = s["final_model"]
         name = m["metric"]
@@ -410,6 +401,29 @@ def figure(x, decimals: int = 4) -> str:
     return f"{x:.{decimals}f}" if isinstance(x, (int, float)) and math.isfinite(x) else "n/a (diverged)"
 
 
+def plan_lines(s: dict) -> list[str]:
+    """The strategy's plan as summary lines, from rank 0's facts in the summary: Ako's
+    partitions and staleness bound, DiLoCo's outer steps, EASGD's elastic rounds."""
+    lines = []
+    if "partitions" in s:
+        lines.append(
+            f"  partitions       p = {s['partitions']}, {s['exchange']}, staleness bound {s['staleness_bound']}"
+            f"{', windows of ' + s['windows'] if 'windows' in s else ''} ({s['partitions_reason']})"
+        )
+    if "outer_steps" in s:
+        lines.append(_syncs(s))
+    if "tau_reason" in s:
+        never = f"; longer than this run's {s['iterations']} steps: one round, at its end" if s["tau"] > s["iterations"] else ""
+        lines.append(f"  elastic rounds   every tau = {s['tau']} step{'s' if s['tau'] != 1 else ''} ({s['tau_reason']}){never}")
+    return lines
+
+
+def strategy_facts(reports: list[dict]) -> dict:
+    """Rank 0's program's own facts (p, s, tau, outer steps...): its report less the counts
+    every rank reports."""
+    return {k: v for k, v in reports[0].items() if k not in _REPORT_KEYS}
+
+
 def _syncs(s: dict) -> str:
     """diloco's and streaming-diloco's summary line: their outer steps, and where H is longer
     than the run, that the replicas trained apart."""
@@ -501,5 +515,5 @@ def build_summary(
             {**r, "bytes_in_per_second": round(r["bytes_received"] / seconds), "bytes_out_per_second": round(r["bytes_sent"] / seconds)}
             for r in servers
         ]  # fmt: skip
-    summary.update({k: v for k, v in reports[0].items() if k not in _REPORT_KEYS})
+    summary.update(strategy_facts(reports))
     return summary
