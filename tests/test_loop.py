@@ -302,7 +302,7 @@ def test_an_outer_step_the_loop_cannot_take_is_one_line_before_any_training(tmp_
     ring, and windows of deltas), as under ako train."""
     out = ako_run("--workers", "2", "--update", "deltas", "--exchange", "all-to-all", "--outer-lr", "0.8", MISUSE, "fine",
                   cwd=tmp_path)  # fmt: skip
-    assert (out.returncode, out.stderr.strip()) == (2, "ako: error: outer lr/momentum (0.8, 0.0): an outer step needs "
+    assert (out.returncode, out.stderr.strip()) == (2, "ako: error: outer lr 0.8 and momentum 0: an outer step needs "
                                                     "--exchange ring or auto (all-to-all applies each peer's window as it "
                                                     "comes, never a step's whole mean)")  # fmt: skip
     assert "wrapped" not in out.stdout and list(tmp_path.iterdir()) == []

@@ -569,11 +569,11 @@ def check(config, replica) -> None:
     if outer == PLAIN_SWAP:
         return
     if config.exchange == "all-to-all":
-        raise ConfigError(f"outer lr/momentum {outer}: an outer step needs --exchange ring or auto "
+        raise ConfigError(f"outer lr {outer[0]:g} and momentum {outer[1]:g}: an outer step needs --exchange ring or auto "
                           "(all-to-all applies each peer's window as it comes, never a step's whole mean)")  # fmt: skip
     if update != "deltas":
         given = "auto, which is gradients for one worker" if config.update == "auto" else repr(config.update)
-        raise ConfigError(f"outer lr/momentum {outer}: an outer step needs windows of deltas (--update deltas; "
+        raise ConfigError(f"outer lr {outer[0]:g} and momentum {outer[1]:g}: an outer step needs windows of deltas (--update deltas; "
                           f"here update is {given})")  # fmt: skip
 
 
