@@ -265,6 +265,46 @@ def test_auto_with_an_outer_step_takes_8_to_100_partitions_and_fewer_for_small_s
     assert p == 32 and why.startswith("link-bound: the link budget asks for p = 34, capped at 32")
 
 
+def test_compress_auto_sends_int8_windows_only_where_float32_would_be_link_bound():
+    """`--compress auto`: float32 where p = auto fits the link within its cap, int8 where it
+    would not, with p from int8's bytes; a given code stands. 4 workers on the ring, 90408
+    values: 1.5 x 361632 = 542448 bytes a step at float32 and 1.5 x (90408 + 4 x 707) = 139854
+    at int8, against B x T_step = 16 kB at 2 MB/s (p = 34 within the cap of 100: float32),
+    1.6 kB at 0.2 MB/s (340 at float32, so int8's 88) and 0.4 kB at 0.05 MB/s (350 at int8,
+    still capped at 100: link-bound)."""
+    numel = 90408
+
+    def plan(bandwidth, compress="auto"):
+        return ako_strategy.code_for(compress, ako_strategy.Budget(bandwidth, 0.008, "given", 8, 100), "ring", 4, numel)
+
+    p, why, codec = plan(2e6)
+    assert (p, codec.name) == (34, "none") and "int8" not in why
+    p, why, codec = plan(0.2e6)
+    assert (p, codec.name) == (88, "int8")
+    assert why.startswith("auto: ") and "so p = ceil(87.41) = 88; windows as int8 (--compress auto: float32 would be link-bound)" in why
+    p, why, codec = plan(0.05e6)
+    assert (p, codec.name) == (100, "int8") and why.startswith("link-bound: the link budget asks for p = 350, capped at 100")
+    assert plan(0.2e6, "none")[::2] == (100, ako_strategy.CODECS["none"])  # as given, link-bound or not
+    assert plan(2e6, "bf16")[::2] == (17, ako_strategy.CODECS["bf16"])
+
+
+def test_compress_auto_in_a_link_bound_simulation_sends_int8_windows_and_ends_with_equal_replicas(tmp_path):
+    """3 workers with AdamW (the ring, an outer step) on a link too slow for float32 windows at
+    p's cap: the plan takes int8 and every window and the flush settle (equal replicas). With
+    sgd (the plain swap) auto stays float32."""
+    runs = {}
+    for compress in ("auto", "none"):
+        config = small_config(tmp_path / compress, strategy="ako", workers=3, optimizer="adamw", lr=3e-3, momentum=None,
+                              seconds_per_sample=1e-4, bandwidth="1Mbit", compress=None if compress == "auto" else compress)  # fmt: skip
+        runs[compress] = ako.simulate(config)
+    auto, none = runs["auto"].summary, runs["none"].summary
+    assert (auto["compress"], none["compress"]) == ("int8", "none")
+    assert none["partitions_reason"].startswith("link-bound") and "windows as int8" in auto["partitions_reason"]
+    assert torch.equal(runs["auto"].workers[0].params, runs["auto"].workers[2].params)
+    plain = ako.simulate(small_config(tmp_path / "sgd", strategy="ako", workers=3, seconds_per_sample=1e-4, bandwidth="1Mbit"))
+    assert plain.summary["compress"] == "none" and plain.summary["partitions_reason"].startswith("link-bound")
+
+
 def test_staleness_auto_without_compute_or_link_time_takes_the_cap(tmp_path):
     """Steps that take no time (no --seconds-per-sample, a free link) leave only the ring's
     latency: s = auto is the cap, 4, and the run ends with equal replicas."""

@@ -12,6 +12,7 @@ import torch
 
 from ako.strategies import ako as ako_strategy
 from ako.strategies.base import WorkerContext
+from ako.strategies.compress import CODECS
 from ako.strategies.ops import Compute, Gradient, Message, PeerLost, Poll, Recv, Send
 
 NUMEL, STEPS = 6, 8
@@ -38,7 +39,7 @@ def _worker(rank: int, n: int):
                              optimizer="sgd", optimizer_fn=None, exchange="all-to-all", workers=n)
     ctx = WorkerContext(rank, n, replica, config, lambda: replica.steps >= STEPS)
     parts = [(0, 3), (3, NUMEL)]
-    return ctx, ako_strategy._all_to_all(ctx, parts, 1)
+    return ctx, ako_strategy._all_to_all(ctx, parts, 1, CODECS["none"])
 
 
 def run_cluster(n: int, victim: int, kill_at: int, spared: int) -> tuple[dict, int]:

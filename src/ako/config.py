@@ -94,7 +94,7 @@ class TrainConfig:
     fragment_delay: int | None = None  # streaming-diloco: tau, steps a fragment's sync overlaps (1)
     fragment_alpha: float | None = None  # streaming-diloco: alpha, the local fragment's share after a sync (0.5)
     fragment_cut: str = "slices"  # streaming-diloco: "slices" of the flat vector or whole "modules"
-    compress: str = "none"  # diloco, streaming-diloco, ako: "none", "bf16", "int8" or "fp4" on the wire
+    compress: str | None = None  # diloco, streaming-diloco, ako: "none", "bf16", "int8" or "fp4" on the wire (ako: or "auto", its default; the others: "none")
     straggler: tuple[str, ...] = ()  # e.g. ("rank=1,factor=3", "prob=0.1,factor=2"); see ako.cluster
     timeout: float = 60.0  # seconds any wait may take before the run fails
     seed: int = 0
@@ -323,8 +323,12 @@ def validate(config: TrainConfig, simulated: bool = False, given: frozenset[str]
                           "--data-dir is for the IDX data sets (fashion-mnist, mnist, auto)")  # fmt: skip
     choice("backend", c.backend, BACKENDS)
     _validate_training(c)
-    for option in {o.name: o for s in REGISTRY.values() for o in s.options if o.choices}.values():
-        choice(option.name, getattr(c, option.name), option.choices)
+    allowed: dict[str, tuple] = {}  # every strategy's choices of each option (the run's own checks its own: `Option.resolve`)
+    for option in (o for s in REGISTRY.values() for o in s.options if o.choices):
+        allowed[option.name] = allowed.get(option.name, ()) + tuple(x for x in option.choices if x not in allowed.get(option.name, ()))
+    for name, choices in allowed.items():
+        if getattr(c, name) is not None:
+            choice(name, getattr(c, name), choices)
     if c.backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is false here: use gloo")
     for name, users in option_users().items():

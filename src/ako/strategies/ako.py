@@ -100,22 +100,23 @@ OUTER_STEP = (0.7, 0.9)  # ... and of its outer step, the default for optimizers
 OUTER_STEP_FEW = (0.8, 0.6)  # ... but below RING_FROM workers, whose mean step is longer (`default_form`)
 P_OUTER = (8, 100)  # p = auto with an outer step: at least 8 (shorter windows lost), at most DiLoCo's H = 100 ...
 OUTER_CAP_PER_SAMPLE = 4  # ... and at most 4 x a step's samples (`p_outer`)
+AUTO_CODE = "int8"  # --compress auto: the windows' code where float32 would be link-bound (`code_for`)
 
 
 def worker(ctx):
     """Worker program; returns the exchange, partitions and why, for the run summary, and on
     rank 0 its replica before the flush (`unflushed`, (numel,)), so the run can hand back the
     better of the two models."""
-    exchange, p, reason, budget = yield from choose_plan(ctx)
-    s, why = yield from choose_staleness(ctx, exchange, p, budget)
+    exchange, p, reason, budget, codec = yield from choose_plan(ctx)
+    s, why = yield from choose_staleness(ctx, exchange, p, budget, codec)
     reason += why
     parts = partition_bounds(ctx.replica.numel, p, ctx.replica.boundaries)
     run = _ring if exchange == "ring" else _all_to_all
-    steps, unflushed = yield from run(ctx, parts, s)
+    steps, unflushed = yield from run(ctx, parts, s, codec)
     update, (lr, momentum) = form(ctx.config)
     windows = update if (lr, momentum) == PLAIN_SWAP else f"{update} with an outer step (lr {lr:g}, momentum {momentum:g})"
     facts = {"steps": steps, "exchange": exchange, "partitions": p, "partitions_reason": reason, "staleness_bound": s,
-             "windows": windows}
+             "windows": windows, "compress": codec.name}
     if ctx.rank == 0:
         facts["unflushed"] = unflushed
     return facts
@@ -233,10 +234,9 @@ class Pace:
         return part.grad_sum.div_(config.step_samples)
 
 
-def _all_to_all(ctx, parts, s):
+def _all_to_all(ctx, parts, s, codec: Codec):
     n, replica = ctx.world_size, ctx.replica
     own = own_steps(ctx)
-    codec = CODECS[ctx.config.compress]
     ledger = Ledger(ctx.peers, n, own.target, parts, codec)
     pace = Pace(ctx, s)
     t = 0
@@ -497,7 +497,7 @@ class Ledger:
         return not self.last_step
 
 
-def _ring(ctx, parts, s):
+def _ring(ctx, parts, s, codec: Codec):
     """The ring exchange: step t's windows summed by an all-reduce started at once and applied
     s steps later. The stop vote rides in the window's last element, so every worker sees
     the same votes at the same step and all stop together, s steps after the first vote (at
@@ -507,7 +507,7 @@ def _ring(ctx, parts, s):
     neighbour ahead is enough for a straggler to know it is behind."""
     n, replica = ctx.world_size, ctx.replica
     own = own_steps(ctx)
-    mean = Mean(ctx.rank, n, CODECS[ctx.config.compress], replica.numel, replica.params.device)
+    mean = Mean(ctx.rank, n, codec, replica.numel, replica.params.device)
     inflight: deque = deque()  # (lo, hi, own window, the mean under way), oldest first
     outer = outer_step(ctx.config, replica)
     t, stop, heard = 0, False, -1
@@ -578,8 +578,8 @@ def check(config, replica) -> None:
 
 
 def choose_plan(ctx):
-    """The exchange and p, and why: (exchange, p, a one-line reason, the `Budget` measured or
-    None where p needed none).
+    """The exchange, p and the windows' code, and why: (exchange, p, a one-line reason, the
+    `Budget` measured or None where p needed none, the `Codec`).
 
     `--exchange auto` takes all-to-all, which survives a lost worker, where it fits the link
     with p <= p_max, and the ring (fewer bytes whatever n) from RING_FROM workers on or where
@@ -587,29 +587,48 @@ def choose_plan(ctx):
     smallest p whose traffic fits the link budget B x T_step, with the most constrained
     worker's step time and link (agreed by one all-reduce), capped at `p_max`, or between the
     bounds `p_outer` with an outer step; the reason starts "link-bound: ..." when the cap binds,
-    i.e. the steps will wait for the link."""
+    i.e. the steps will wait for the link. The code: `--compress`, where auto is float32, but
+    with an outer step AUTO_CODE where the link binds at float32 (`code_for`; the plain swap's
+    auto is float32: measured only with the outer step)."""
     n, c = ctx.world_size, ctx.config
     ring_only = form(c)[1] != PLAIN_SWAP  # an outer step needs each step's whole mean
+    compress = c.compress if ring_only or c.compress != "auto" else "none"
+    given = CODECS["none" if compress == "auto" else compress]
     if n == 1:
         auto = "ring" if ring_only else "all-to-all"
-        return (auto if c.exchange == "auto" else c.exchange), 1, "a single worker has no peers", None
+        return (auto if c.exchange == "auto" else c.exchange), 1, "a single worker has no peers", None, given
     if c.partitions != "auto":
         exchange = c.exchange if c.exchange != "auto" else ("ring" if n >= RING_FROM or ring_only else "all-to-all")
-        return exchange, c.partitions, "set by --partitions", None
+        return exchange, c.partitions, "set by --partitions", None, given
     bounds = p_outer(c.step_samples) if ring_only else (1, p_max(c.step_samples))
     budget = yield from measure_budget(ctx, *bounds)
-    numel = ctx.replica.numel
-    grad_bytes = CODECS[c.compress].nbytes(numel)  # a window's bytes as they travel (`--compress`)
     if c.exchange != "auto":
-        return c.exchange, *budget.partitions(c.exchange, n, grad_bytes, numel), budget
-    p, reason = budget.partitions("all-to-all", n, grad_bytes, numel)
+        p, reason, codec = code_for(compress, budget, c.exchange, n, ctx.replica.numel)
+        return c.exchange, p, reason, budget, codec
+    p, reason, codec = code_for(compress, budget, "all-to-all", n, ctx.replica.numel)
     if n < RING_FROM and not reason.startswith("link-bound") and not ring_only:
-        return "all-to-all", p, reason, budget
-    p, reason = budget.partitions("ring", n, grad_bytes, numel)
+        return "all-to-all", p, reason, budget, codec
+    p, reason, codec = code_for(compress, budget, "ring", n, ctx.replica.numel)
     why = (f"there are {n} workers (the ring from {RING_FROM} on)" if n >= RING_FROM
            else "an outer step needs each step's whole mean" if ring_only
            else f"all-to-all would need more than p = {budget.cap}")  # fmt: skip
-    return "ring", p, f"{reason}; the ring, as {why}", budget
+    return "ring", p, f"{reason}; the ring, as {why}", budget, codec
+
+
+def code_for(compress: str, budget: "Budget", exchange: str, n: int, numel: int) -> tuple[int, str, Codec]:
+    """p = auto, why, and the windows' code for `--compress` (p from the code's bytes: a window
+    travels coded). `auto` is float32 where it fits the link within p's cap, else AUTO_CODE:
+    a link-bound step waits for its window, and int8's 1.03 bytes a value (INTELLECT-1's code)
+    cut that wait to about a quarter (simulated, the small gpt at 64 workers on 10 Mbit/s: 19.3 s
+    to the target against 46.9 s at float32 and 36.2 s at bf16; docs/results.md, "Ako against
+    DiLoCo")."""
+    codec = CODECS["none" if compress == "auto" else compress]
+    p, reason = budget.partitions(exchange, n, codec.nbytes(numel), numel)
+    if compress != "auto" or not reason.startswith("link-bound"):
+        return p, reason, codec
+    codec = CODECS[AUTO_CODE]
+    p, reason = budget.partitions(exchange, n, codec.nbytes(numel), numel)
+    return p, f"{reason}; windows as {AUTO_CODE} (--compress auto: float32 would be link-bound)", codec
 
 
 def measure_budget(ctx, floor: int = 1, cap: int = P_MAX):
@@ -623,7 +642,7 @@ def measure_budget(ctx, floor: int = 1, cap: int = P_MAX):
     return Budget(-worst[1].item(), -worst[0].item(), "given" if given is not None else "measured", floor, cap)
 
 
-def choose_staleness(ctx, exchange: str, p: int, budget: "Budget | None"):
+def choose_staleness(ctx, exchange: str, p: int, budget: "Budget | None", codec: Codec):
     """The staleness bound s and why (a clause for the summary, "" where there is nothing to
     say): `--staleness` where given, else DEFAULT_STALENESS; but on the ring with an outer step
     s = auto, Streaming DiLoCo's tau (arXiv 2501.18512: a fragment's all-reduce overlaps
@@ -642,7 +661,7 @@ def choose_staleness(ctx, exchange: str, p: int, budget: "Budget | None"):
         return DEFAULT_STALENESS, ""
     if budget is None:
         budget = yield from measure_budget(ctx)
-    window = CODECS[c.compress].nbytes(-(-ctx.replica.numel // p))
+    window = codec.nbytes(-(-ctx.replica.numel // p))
     seconds = yield MeasureAllReduce(window)
     transfer = 2 * (n - 1) / n * window / budget.bandwidth  # 0 on a free link
     period = max(budget.step_time, transfer)
@@ -753,7 +772,9 @@ STRATEGY = Strategy(
         Option(name="bandwidth", help="link budget of p = auto, e.g. 1Gbit or 100MB (default: measured)"),
         Option(name="compress", help="how a window travels: none (float32), bf16, int8 (a scale per 128 values) or "
                "fp4 (E3M0, a scale per 128 values); what a lossy code leaves out stays in the accumulator (all-to-all) or "
-               "a residual (ring) and goes later (error feedback); the final flush goes in float32", choices=COMPRESSIONS),
+               "a residual (ring) and goes later (error feedback); the final flush goes in float32; or auto (the default): "
+               f"float32, but with an outer step {AUTO_CODE} where float32 windows would be link-bound (p = auto at its cap)",
+               default="auto", choices=("auto", *COMPRESSIONS)),
         # no defaults here (None is default_form's): config.toml would record them, and diloco would take them from there
         Option(name="outer_lr", help="the outer optimizer's lr on each mean window of deltas, on the ring "
                "(Streaming DiLoCo's outer step with H = p; on the ring, so a lost worker ends the run; default 0.7 for "

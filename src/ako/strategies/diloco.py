@@ -229,8 +229,8 @@ OUTER_OPTIONS = (
     Option(name="outer_momentum", help=f"the outer optimizer's Nesterov momentum, 0 for none (default {OUTER_MOMENTUM})",
            default=OUTER_MOMENTUM, check=Number("outer_momentum", 0.0, 0.999)),
     Option(name="compress", help="how the pseudo-gradient travels: none (float32), bf16, int8 (a scale per 128 values) "
-           "or fp4 (E3M0, a scale per 128 values); the lossy codes with error feedback, summed in float32",
-           choices=COMPRESSIONS),
+           "or fp4 (E3M0, a scale per 128 values); the lossy codes with error feedback, summed in float32 (default none)",
+           default="none", choices=COMPRESSIONS),
 )  # fmt: skip
 
 DILOCO = Strategy(
