@@ -29,7 +29,12 @@ _E3M0_MIDPOINTS = (_E3M0[1:] + _E3M0[:-1]) / 2
 
 
 class Codec:
-    """`none`: float32 as it is. Subclasses encode lossily; `lossy` says whether they do."""
+    """`none`: float32 as it is. Subclasses encode lossily; `lossy` says whether they do.
+
+    `encode_chunks` and `decode_chunks` do the same for the consecutive chunks of a vector
+    (a compressed mean's n chunks, `mean.py`) in a few tensor operations, where a loop over
+    the chunks would cost more than the coding itself; each chunk's payload is exactly its
+    `encode`'s."""
 
     name = "none"
     lossy = False
@@ -46,6 +51,17 @@ class Codec:
         """Bytes of the payload of m values."""
         return 4 * m
 
+    def encode_chunks(self, x: torch.Tensor, sizes: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The payloads of x's consecutive chunks of `sizes` values (x float32 (sum(sizes),)),
+        and what they decode to, float32 (sum(sizes),)."""
+        payloads = [self.encode(chunk) for chunk in x.split(sizes)]
+        return payloads, self.decode_chunks(payloads, sizes)
+
+    def decode_chunks(self, payloads: list[torch.Tensor], sizes: list[int]) -> torch.Tensor:
+        """The chunks of `sizes` values decoded from their payloads, one after the other,
+        float32 (sum(sizes),)."""
+        return torch.cat([self.decode(payload, m) for payload, m in zip(payloads, sizes)])
+
 
 class BFloat16(Codec):
     name, lossy = "bf16", True
@@ -59,56 +75,109 @@ class BFloat16(Codec):
     def nbytes(self, m):
         return 2 * m
 
+    def encode_chunks(self, x, sizes):
+        coded = self.encode(x)
+        return list(coded.split([2 * m for m in sizes])), self.decode(coded, len(x))
 
-def _blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (m,) as (blocks, BLOCK) zero-padded, and each block's absmax (blocks,), 1 where 0."""
-    pad = -len(x) % BLOCK
-    blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, BLOCK)
-    absmax = blocks.abs().amax(dim=1)
-    return blocks, torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-
-
-def _scales_and_codes(payload: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    nblocks = -(-m // BLOCK)
-    return payload[: 4 * nblocks].view(torch.float32), payload[4 * nblocks :]
+    def decode_chunks(self, payloads, sizes):
+        return self.decode(torch.cat(payloads), sum(sizes))
 
 
-class Int8(Codec):
+class _BlockCodec(Codec):
+    """A code of blocks of BLOCK values, each with a float32 scale: a payload is the scales of
+    its ceil(m / BLOCK) blocks, then the codes of its m values (`code_bytes(m)` bytes). The
+    coding works on rows (k, L), L a multiple of BLOCK, each a chunk zero-padded; zeros code to
+    zero and leave a block's absmax as it is, so a row's payload is its chunk's alone."""
+
+    def _encode_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scales (k, L / BLOCK) float32, codes (k, code_bytes(L)) uint8) of rows (k, L)."""
+        raise NotImplementedError
+
+    def _decode_rows(self, scales: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """Rows (k, L) float32 from scales (k, L / BLOCK) and codes (k, code_bytes(L))."""
+        raise NotImplementedError
+
+    def code_bytes(self, m: int) -> int:
+        raise NotImplementedError
+
+    def nbytes(self, m):
+        return 4 * -(-m // BLOCK) + self.code_bytes(m)
+
+    def encode(self, x):
+        return self.encode_chunks(x, [len(x)])[0][0]
+
+    def decode(self, payload, m):
+        return self.decode_chunks([payload], [m])
+
+    def encode_chunks(self, x, sizes):
+        rows = _rows(list(x.split(sizes)), BLOCK)
+        scales, codes = self._encode_rows(rows)
+        payloads = [torch.cat([scales[j, : -(-m // BLOCK)].view(torch.uint8), codes[j, : self.code_bytes(m)]])
+                    for j, m in enumerate(sizes)]  # fmt: skip
+        return payloads, _unrows(self._decode_rows(scales, codes), sizes)
+
+    def decode_chunks(self, payloads, sizes):
+        blocks = [-(-m // BLOCK) for m in sizes]
+        scales = _rows([p[: 4 * nb].view(torch.float32) for p, nb in zip(payloads, blocks)], 1)
+        codes = _rows([p[4 * nb :] for p, nb in zip(payloads, blocks)], self.code_bytes(BLOCK))
+        return _unrows(self._decode_rows(scales, codes[:, : self.code_bytes(scales.shape[1] * BLOCK)]), sizes)
+
+
+def _rows(pieces: list[torch.Tensor], multiple: int) -> torch.Tensor:
+    """The 1-d `pieces` as rows (k, L), zero-padded to L, the longest's length rounded up to
+    `multiple`."""
+    rows = torch.nn.utils.rnn.pad_sequence(pieces, batch_first=True)
+    return torch.nn.functional.pad(rows, (0, -rows.shape[1] % multiple))
+
+
+def _unrows(rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """The first sizes[j] values of each row j (k, L), one after the other."""
+    if len(sizes) == 1:
+        return rows[0, : sizes[0]]
+    keep = torch.arange(rows.shape[1], device=rows.device) < torch.tensor(sizes, device=rows.device)[:, None]
+    return rows[keep]
+
+
+def _absmax(rows: torch.Tensor) -> torch.Tensor:
+    """Each block's absmax (k, L / BLOCK) of rows (k, L), 1 where it is 0."""
+    absmax = rows.view(rows.shape[0], -1, BLOCK).abs().amax(dim=2)
+    return torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+
+
+class Int8(_BlockCodec):
     name, lossy = "int8", True
 
-    def encode(self, x):
-        blocks, absmax = _blocks(x)
-        scale = absmax / 127
-        codes = torch.round(blocks / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        return torch.cat([scale.view(torch.uint8), codes.view(-1)[: len(x)].view(torch.uint8)])
+    def code_bytes(self, m):
+        return m
 
-    def decode(self, payload, m):
-        scale, codes = _scales_and_codes(payload, m)
-        values = torch.nn.functional.pad(codes.view(torch.int8).float(), (0, -m % BLOCK)).view(-1, BLOCK)
-        return (values * scale[:, None]).view(-1)[:m]
+    def _encode_rows(self, rows):
+        scale = _absmax(rows) / 127
+        blocks = rows.view(rows.shape[0], -1, BLOCK)
+        codes = torch.round(blocks / scale[:, :, None]).clamp_(-127, 127).to(torch.int8)
+        return scale, codes.view(rows.shape[0], -1).view(torch.uint8)
 
-    def nbytes(self, m):
-        return 4 * -(-m // BLOCK) + m
+    def _decode_rows(self, scales, codes):
+        values = codes.view(torch.int8).float().view(codes.shape[0], -1, BLOCK)
+        return (values * scales[:, :, None]).view(codes.shape[0], -1)
 
 
-class FP4(Codec):
+class FP4(_BlockCodec):
     name, lossy = "fp4", True
 
-    def encode(self, x):
-        blocks, absmax = _blocks(x)
-        magnitude = torch.bucketize(blocks.abs() / absmax[:, None], _E3M0_MIDPOINTS.to(x.device))  # nearest level, 0..7
-        codes = (magnitude | (blocks < 0).to(torch.int64) << 3).view(-1)[: len(x)].to(torch.uint8)
-        codes = torch.nn.functional.pad(codes, (0, len(codes) % 2))
-        return torch.cat([absmax.view(torch.uint8), codes[0::2] | codes[1::2] << 4])
+    def code_bytes(self, m):
+        return (m + 1) // 2
 
-    def decode(self, payload, m):
-        absmax, packed = _scales_and_codes(payload, m)
-        codes = torch.stack([packed & 15, packed >> 4], dim=1).view(-1)[:m].long()
-        values = _E3M0.to(payload.device)[codes & 7] * (1 - 2 * (codes >> 3)).float()
-        return (torch.nn.functional.pad(values, (0, -m % BLOCK)).view(-1, BLOCK) * absmax[:, None]).view(-1)[:m]
+    def _encode_rows(self, rows):
+        absmax = _absmax(rows)
+        blocks = rows.view(rows.shape[0], -1, BLOCK)
+        magnitude = torch.bucketize(blocks.abs() / absmax[:, :, None], _E3M0_MIDPOINTS.to(rows.device))  # nearest level, 0..7
+        codes = (magnitude | (blocks < 0).to(torch.int64) << 3).view(rows.shape[0], -1).to(torch.uint8)
+        return absmax, codes[:, 0::2] | codes[:, 1::2] << 4
 
-    def nbytes(self, m):
-        return 4 * -(-m // BLOCK) + (m + 1) // 2
+    def _decode_rows(self, scales, codes):
+        unpacked = torch.stack([codes & 15, codes >> 4], dim=2).view(codes.shape[0], -1).long()
+        values = _E3M0.to(codes.device)[unpacked & 7] * (1 - 2 * (unpacked >> 3)).float()
+        return (values.view(codes.shape[0], -1, BLOCK) * scales[:, :, None]).view(codes.shape[0], -1)
 
 
 CODECS: dict[str, Codec] = {c.name: c for c in (Codec(), BFloat16(), Int8(), FP4())}
@@ -122,15 +191,15 @@ class Residual:
         self.codec = codec
         self.error = torch.zeros(numel, device=device)
 
-    def encode(self, x: torch.Tensor, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encode x + e[lo:lo+m] (x float32 (m,)); e keeps what the code left out. Returns the
-        payload and what it decodes to (float32 (m,)): decoded + e_new = x + e_old."""
+    def encode(self, x: torch.Tensor, lo: int, sizes: list[int] | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Encode x + e[lo:lo+m] (x float32 (m,)) in consecutive chunks of `sizes` values (one
+        chunk where None); e keeps what the code left out. Returns the chunks' payloads and
+        what they decode to (float32 (m,)): decoded + e_new = x + e_old."""
         e = self.error[lo : lo + len(x)]
         y = x + e
-        payload = self.codec.encode(y)
-        sent = self.codec.decode(payload, len(y))
+        payloads, sent = self.codec.encode_chunks(y, [len(x)] if sizes is None else sizes)
         e.copy_(y - sent)
-        return payload, sent
+        return payloads, sent
 
     def keep(self, lo: int, left_out: torch.Tensor) -> None:
         """Add `left_out` (m,) to e[lo:lo+m]: a value this worker owes the others."""

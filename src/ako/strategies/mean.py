@@ -59,6 +59,7 @@ class Mean:
 
     def __init__(self, rank: int, n: int, codec: Codec, numel: int, device: torch.device | str = "cpu"):
         self.rank, self.n, self.codec = rank, n, codec
+        self.peers = [j for j in range(n) if j != rank]
         self.residual = Residual(codec, numel, device) if codec.lossy else None
         self.seq = 0
 
@@ -73,11 +74,11 @@ class Mean:
             pending.handle = yield AllReduce(buf, "sum", wait=False)
             return pending
         parts = chunks(len(x), self.n)
-        for j, (a, b) in enumerate(parts):
-            payload, sent = self.residual.encode(x[a:b], lo + a)
-            if j == self.rank:
-                pending.own = sent
-            else:
+        payloads, sent = self.residual.encode(x, lo, [b - a for a, b in parts])
+        a, b = parts[self.rank]
+        pending.own = sent[a:b]
+        for j, payload in enumerate(payloads):
+            if j != self.rank:
                 yield Send(payload, j, MEAN_SCATTER, step=pending.seq, aux=int(vote))
         return pending
 
@@ -88,15 +89,16 @@ class Mean:
         if pending.handle is not None or pending.mine is not None:
             return
         a, b = chunks(pending.m, self.n)[self.rank]
-        total = pending.own.new_zeros(b - a)
-        for j in range(self.n):
-            if j == self.rank:
-                total.add_(pending.own)
-                continue
+        payloads = []
+        for j in self.peers:
             message = yield Recv(MEAN_SCATTER, j)
             assert message.step == pending.seq, f"mean {pending.seq}: rank {j} sent chunk {message.step}"
-            total.add_(self.codec.decode(message.tensor, b - a))
+            payloads.append(message.tensor)
             pending.votes += message.aux
+        theirs = iter(self.codec.decode_chunks(payloads, [b - a] * len(payloads)).view(len(payloads), b - a))
+        total = pending.own.new_zeros(b - a)
+        for j in range(self.n):  # in rank order, as every owner sums
+            total.add_(pending.own if j == self.rank else next(theirs))
         payload, pending.mine = self._encode_mean(total, pending.lo + a)
         for j in range(self.n):
             if j != self.rank:
@@ -104,8 +106,7 @@ class Mean:
 
     def _encode_mean(self, total: torch.Tensor, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
         mean = total / self.n
-        payload = self.codec.encode(mean)
-        sent = self.codec.decode(payload, len(mean))
+        (payload,), sent = self.codec.encode_chunks(mean, [len(mean)])
         self.residual.keep(lo, total - self.n * sent)
         return payload, sent
 
@@ -116,13 +117,13 @@ class Mean:
             total = yield Wait(pending.handle)
             return total[:-1].div_(self.n), round(total[-1].item())
         yield from self.reduce(pending)
-        mean = pending.mine.new_empty(pending.m)
-        for j, (a, b) in enumerate(chunks(pending.m, self.n)):
-            if j == self.rank:
-                mean[a:b] = pending.mine
-                continue
+        parts = chunks(pending.m, self.n)
+        payloads, votes = [], pending.votes
+        for j in self.peers:
             message = yield Recv(MEAN_GATHER, j)
             assert message.step == pending.seq, f"mean {pending.seq}: rank {j} sent mean {message.step}"
-            mean[a:b] = self.codec.decode(message.tensor, b - a)
+            payloads.append(message.tensor)
             votes = message.aux
-        return mean, (votes if self.n > 1 else pending.votes)
+        theirs = self.codec.decode_chunks(payloads, [b - a for j, (a, b) in enumerate(parts) if j != self.rank])
+        a, b = parts[self.rank]
+        return torch.cat([theirs[:a], pending.mine, theirs[a:]]), votes
