@@ -218,6 +218,24 @@ def test_a_code_round_trip_keeps_its_stated_error(name, m):
     assert codec.nbytes(m) < 4 * m if m >= BLOCK or name == "bf16" else True
 
 
+@pytest.mark.parametrize("name", BOUNDS)
+def test_a_vectors_chunks_code_as_each_chunk_alone(name):
+    """`encode_chunks` and `decode_chunks` (a compressed mean's n chunks at once) give each
+    chunk exactly the payload and values of its own `encode` and `decode`: chunk sizes that
+    differ by one, across block boundaries, an empty chunk, and a chunk of zeros."""
+    torch.manual_seed(2)
+    sizes = [0, 1, 129, 128, 127, 300, 300, 301]
+    x = torch.randn(sum(sizes)) * 10
+    x[1 + 129 : 1 + 129 + 128] = 0.0  # a whole chunk of zeros: its blocks' scale stays 1
+    codec = CODECS[name]
+    payloads, sent = codec.encode_chunks(x, sizes)
+    alone = [codec.encode(chunk) for chunk in x.split(sizes)]
+    assert [p.tolist() for p in payloads] == [p.tolist() for p in alone]
+    assert [p.numel() for p in payloads] == [codec.nbytes(m) for m in sizes]
+    each = torch.cat([codec.decode(p, m) for p, m in zip(alone, sizes)])
+    assert torch.equal(sent, each) and torch.equal(codec.decode_chunks(alone, sizes), each)
+
+
 def test_fp4_takes_its_levels_exactly():
     levels = torch.tensor([1.0, -0.5, 0.25, 2.0**-6, -(2.0**-6), 0.0, 0.75 + 1e-3, 2.0**-8])
     decoded = CODECS["fp4"].decode(CODECS["fp4"].encode(levels), len(levels))
