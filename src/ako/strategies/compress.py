@@ -20,6 +20,9 @@ x + e, so nothing is lost, only late: the values sent plus the residual equal th
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 
 BLOCK = 128  # values sharing one float32 scale (int8, fp4)
@@ -87,7 +90,8 @@ class _BlockCodec(Codec):
     """A code of blocks of BLOCK values, each with a float32 scale: a payload is the scales of
     its ceil(m / BLOCK) blocks, then the codes of its m values (`code_bytes(m)` bytes). The
     coding works on rows (k, L), L a multiple of BLOCK, each a chunk zero-padded; zeros code to
-    zero and leave a block's absmax as it is, so a row's payload is its chunk's alone."""
+    zero and leave a block's absmax as it is, so a row's payload is its chunk's alone. Where the
+    chunks' values and bytes sit in those rows is one index per list of sizes (`_Layout`)."""
 
     def _encode_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(scales (k, L / BLOCK) float32, codes (k, code_bytes(L)) uint8) of rows (k, L)."""
@@ -110,32 +114,47 @@ class _BlockCodec(Codec):
         return self.decode_chunks([payload], [m])
 
     def encode_chunks(self, x, sizes):
-        rows = _rows(list(x.split(sizes)), BLOCK)
-        scales, codes = self._encode_rows(rows)
-        payloads = [torch.cat([scales[j, : -(-m // BLOCK)].view(torch.uint8), codes[j, : self.code_bytes(m)]])
-                    for j, m in enumerate(sizes)]  # fmt: skip
-        return payloads, _unrows(self._decode_rows(scales, codes), sizes)
+        layout = _layout(self, tuple(sizes), x.device)
+        rows = x.new_zeros(layout.k * layout.width)
+        rows[layout.values] = x
+        scales, codes = self._encode_rows(rows.view(layout.k, layout.width))
+        wire = torch.cat([scales.view(torch.uint8).view(-1), codes.view(-1)])[layout.bytes]
+        return list(wire.split(layout.nbytes)), self._decode_rows(scales, codes).view(-1)[layout.values]
 
     def decode_chunks(self, payloads, sizes):
-        blocks = [-(-m // BLOCK) for m in sizes]
-        scales = _rows([p[: 4 * nb].view(torch.float32) for p, nb in zip(payloads, blocks)], 1)
-        codes = _rows([p[4 * nb :] for p, nb in zip(payloads, blocks)], self.code_bytes(BLOCK))
-        return _unrows(self._decode_rows(scales, codes[:, : self.code_bytes(scales.shape[1] * BLOCK)]), sizes)
+        layout = _layout(self, tuple(sizes), payloads[0].device if payloads else torch.device("cpu"))
+        wire = payloads[0].new_zeros(layout.k * (4 * layout.width // BLOCK + self.code_bytes(layout.width)))
+        wire[layout.bytes] = torch.cat(payloads) if payloads else wire[:0]
+        scales, codes = wire.split([4 * layout.k * layout.width // BLOCK, layout.k * self.code_bytes(layout.width)])
+        rows = self._decode_rows(scales.view(torch.float32).view(layout.k, -1), codes.view(layout.k, -1))
+        return rows.view(-1)[layout.values]
 
 
-def _rows(pieces: list[torch.Tensor], multiple: int) -> torch.Tensor:
-    """The 1-d `pieces` as rows (k, L), zero-padded to L, the longest's length rounded up to
-    `multiple`."""
-    rows = torch.nn.utils.rnn.pad_sequence(pieces, batch_first=True)
-    return torch.nn.functional.pad(rows, (0, -rows.shape[1] % multiple))
+@dataclass(frozen=True)
+class _Layout:
+    """Chunks of `sizes` values as k rows of `width` (a multiple of BLOCK): `values`, the
+    chunks' values' places in the rows (flat); `bytes`, the payloads' bytes' places in the
+    rows' scales (k x width / BLOCK float32) then codes (k x code_bytes(width)), payload after
+    payload; `nbytes`, each payload's length."""
+
+    k: int
+    width: int
+    values: torch.Tensor
+    bytes: torch.Tensor
+    nbytes: list[int]
 
 
-def _unrows(rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """The first sizes[j] values of each row j (k, L), one after the other."""
-    if len(sizes) == 1:
-        return rows[0, : sizes[0]]
-    keep = torch.arange(rows.shape[1], device=rows.device) < torch.tensor(sizes, device=rows.device)[:, None]
-    return rows[keep]
+@functools.lru_cache(maxsize=256)  # a run codes the same few lists of sizes every step
+def _layout(codec: _BlockCodec, sizes: tuple[int, ...], device: torch.device) -> _Layout:
+    k, width = len(sizes), max(BLOCK, -(-max(sizes, default=0) // BLOCK) * BLOCK)
+    blocks, row_code = width // BLOCK, codec.code_bytes(width)
+    values, places = [], []
+    for j, m in enumerate(sizes):
+        values.append(torch.arange(m) + j * width)
+        places.append(torch.arange(4 * -(-m // BLOCK)) + 4 * j * blocks)
+        places.append(torch.arange(codec.code_bytes(m)) + 4 * k * blocks + j * row_code)
+    as_index = lambda parts: torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.int64, device=device)  # noqa: E731
+    return _Layout(k, width, as_index(values), as_index(places), [codec.nbytes(m) for m in sizes])
 
 
 def _absmax(rows: torch.Tensor) -> torch.Tensor:
