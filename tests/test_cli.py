@@ -211,6 +211,18 @@ def test_flags_override_the_config_file(tmp_path):
     assert (config.strategy, config.workers, config.lr, config.staleness, config.batch_size) == ("ako", 4, 0.2, None, 32)
 
 
+def test_compress_none_is_float32_not_the_default_auto():
+    """The word none clears a setting whose None means "not given" (`--staleness none`), but
+    `--compress none` is a code of its own: float32 windows, where unset is Ako's auto."""
+    from ako.cli import build_parser, config_from_args
+
+    def compress(*flags):
+        return config_from_args(build_parser().parse_args(["train", "--optimizer", "adamw", *flags])).compress
+
+    assert (compress("--compress", "none"), compress("--compress", "int8"), compress()) == ("none", "int8", "auto")
+    assert compress("--strategy", "diloco") == "none"
+
+
 def test_a_runs_config_file_serves_another_strategy(tmp_path):
     """A run's config.toml records its strategy's options resolved (ako: micro_batch =
     batch_size // 4; ssp: servers = 1, staleness = 2); with another --strategy they are not

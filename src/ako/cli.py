@@ -258,9 +258,13 @@ def _settings(pairs: list[str]) -> dict:
 
 
 def _none(name: str, value):
-    """`--staleness none` etc.: the word none for the settings whose None means something."""
-    nullable = FIELDS[name].default is None
+    """`--staleness none` etc.: the word none for the settings whose None means something, but
+    not for those where none is a choice of its own (`--compress none`: float32, not auto)."""
+    nullable = FIELDS[name].default is None and name not in _NONE_IS_A_CHOICE
     return None if nullable and isinstance(value, str) and value.lower() == "none" else value
+
+
+_NONE_IS_A_CHOICE = {o.name for s in REGISTRY.values() for o in s.options if "none" in (o.choices or ())}
 
 
 def cmd_info() -> int:
