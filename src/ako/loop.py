@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import sys
 import time
@@ -328,7 +329,7 @@ class Loop:
                             list(range(n, world)))
         slowdown = Slowdown([parse_straggler(t) for t in config.straggler], rank, config.seed)
         if rank == 0:
-            print(f"ako: your loop runs {config.strategy} on {n} workers{self._notice()}", file=sys.stderr, flush=True)
+            print(f"ako: your loop runs {config.strategy} on {n} worker{'s' if n != 1 else ''}{self._notice()}", file=sys.stderr, flush=True)
         self.driver = None
         self.driver = self._guarded(lambda: LoopDriver(self.runtime, self.strategy.worker, ctx, self.replica, slowdown,
                                                        self._stepped))  # fmt: skip
@@ -479,7 +480,7 @@ class Loop:
             weights = [r.get("average_weight", 1.0) for r in reports if r["role"] == "worker"]
             weights = weights if len(weights) == len(finals) else None
             distance, average = consensus_distance([f.to(self.replica.params.device) for f in finals], weights)
-            summary["final_consensus_distance"] = round(distance, 8)
+            summary["final_consensus_distance"] = round(distance, 8) if math.isfinite(distance) else None  # diverged: JSON has no NaN
             if "centre" in facts:
                 self.replica.params.copy_(facts["centre"])
                 summary["model"] = "the centre variable (easgd)"

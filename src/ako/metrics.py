@@ -376,8 +376,6 @@ def _replica_lines(s: dict) -> list[str]:
             f"  consensus        {s['consensus_distance']:.3g} at the end{during} "
             "(mean distance of the replicas to their average, relative to its norm)"
         )
-    if "gossip" in s:
-        lines.append(f"  gossip           {s['gossip']}, {s['peers']} peers, tau = {s['tau']}; {s['rounds']} rounds on rank 0")
     return lines
 
 
@@ -403,7 +401,8 @@ def figure(x, decimals: int = 4) -> str:
 
 def plan_lines(s: dict) -> list[str]:
     """The strategy's plan as summary lines, from rank 0's facts in the summary: Ako's
-    partitions and staleness bound, DiLoCo's outer steps, EASGD's elastic rounds."""
+    partitions and staleness bound, DiLoCo's outer steps, EASGD's elastic rounds, gossip's
+    rounds."""
     lines = []
     if "partitions" in s:
         lines.append(
@@ -415,6 +414,8 @@ def plan_lines(s: dict) -> list[str]:
     if "tau_reason" in s:
         never = f"; longer than this run's {s['iterations']} steps: one round, at its end" if s["tau"] > s["iterations"] else ""
         lines.append(f"  elastic rounds   every tau = {s['tau']} step{'s' if s['tau'] != 1 else ''} ({s['tau_reason']}){never}")
+    if "gossip" in s:
+        lines.append(f"  gossip           {s['gossip']}, {s['peers']} peers, tau = {s['tau']}; {s['rounds']} rounds on rank 0")
     return lines
 
 

@@ -95,7 +95,7 @@ class Mean:
             assert message.step == pending.seq, f"mean {pending.seq}: rank {j} sent chunk {message.step}"
             payloads.append(message.tensor)
             pending.votes += message.aux
-        theirs = iter(self.codec.decode_chunks(payloads, [b - a] * len(payloads)).view(len(payloads), b - a))
+        theirs = iter(self.codec.decode_chunks(payloads, [b - a] * len(payloads)).view(len(payloads), b - a) if payloads else ())
         total = pending.own.new_zeros(b - a)
         for j in range(self.n):  # in rank order, as every owner sums
             total.add_(pending.own if j == self.rank else next(theirs))
@@ -124,6 +124,8 @@ class Mean:
             assert message.step == pending.seq, f"mean {pending.seq}: rank {j} sent mean {message.step}"
             payloads.append(message.tensor)
             votes = message.aux
+        if not payloads:  # one worker: its mean is its own
+            return pending.mine, votes
         theirs = self.codec.decode_chunks(payloads, [b - a for j, (a, b) in enumerate(parts) if j != self.rank])
         a, b = parts[self.rank]
         return torch.cat([theirs[:a], pending.mine, theirs[a:]]), votes
