@@ -305,6 +305,19 @@ def test_compress_auto_in_a_link_bound_simulation_sends_int8_windows_and_ends_wi
     assert plain.summary["compress"] == "none" and plain.summary["partitions_reason"].startswith("link-bound")
 
 
+def test_staleness_auto_is_at_least_2_for_compressed_windows(tmp_path):
+    """A compressed mean goes in two halves, the second a step after the first: s = auto is
+    at least 2 for lossy windows, where float32 ones take 1 (3 workers, a free link, 2 ms of
+    latency: the case of s = 1 above)."""
+    for compress, expected in (("none", 1), ("int8", 2)):
+        config = small_config(tmp_path / compress, strategy="ako", workers=3, optimizer="adamw", lr=3e-3, momentum=None,
+                              partitions=2, seconds_per_sample=1e-3, latency="2ms", compress=compress)  # fmt: skip
+        result = ako.simulate(config)
+        assert result.summary["staleness_bound"] == expected
+        assert ("at least 2 for int8 windows" in result.summary["partitions_reason"]) == (compress == "int8")
+        assert torch.equal(result.workers[0].params, result.workers[2].params)
+
+
 def test_staleness_auto_without_compute_or_link_time_takes_the_cap(tmp_path):
     """Steps that take no time (no --seconds-per-sample, a free link) leave only the ring's
     latency: s = auto is the cap, 4, and the run ends with equal replicas."""

@@ -87,6 +87,10 @@ def test_one_worker_is_plain_local_training(tmp_path):
     for result in both_runtimes(config):
         assert result.summary["iterations"] == 12
         torch.testing.assert_close(result.workers[0].params, reference, rtol=0, atol=1e-5)
+    for name in ("bf16", "int8"):  # a compressed mean of one worker: its own vector through the code, no peers to hear
+        coded = ako.simulate(replace(config, compress=name))
+        assert coded.summary["iterations"] == 12
+        torch.testing.assert_close(coded.workers[0].params, reference, rtol=0, atol=2e-2)
 
 
 def test_streaming_with_one_fragment_no_delay_no_mixing_is_diloco(tmp_path):

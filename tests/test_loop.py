@@ -295,6 +295,8 @@ def test_a_nanogpt_style_loop_with_three_lines_trains_the_gpt_under_both_launche
             val[int(line.split()[3].rstrip(":"))] = float(line.rsplit(" ", 1)[1])
     assert sorted(val) == [0, 29] and val[29] < val[0] - 1.0, out.stdout
     assert (tmp_path / "ckpt.pt").exists()
+    if launcher == "ako run":  # the plan, as ako train prints it
+        assert "\n  gossip           pull, random peers, tau = 1; " in out.stderr, out.stderr[-2000:]
 
 
 def test_an_outer_step_the_loop_cannot_take_is_one_line_before_any_training(tmp_path):
