@@ -281,7 +281,7 @@ def test_compress_auto_sends_int8_windows_only_where_float32_would_be_link_bound
     assert (p, codec.name) == (34, "none") and "int8" not in why
     p, why, codec = plan(0.2e6)
     assert (p, codec.name) == (88, "int8")
-    assert why.startswith("auto: ") and "so p = ceil(87.41) = 88; windows as int8 (--compress auto: float32 would be link-bound)" in why
+    assert why.startswith("auto: ") and "so p = ceil(87.41) = 88; the bytes are int8's: --compress auto takes int8 windows, as float32 ones would be link-bound (p = 340 > 100)" in why
     p, why, codec = plan(0.05e6)
     assert (p, codec.name) == (100, "int8") and why.startswith("link-bound: the link budget asks for p = 350, capped at 100")
     assert plan(0.2e6, "none")[::2] == (100, ako_strategy.CODECS["none"])  # as given, link-bound or not
@@ -299,7 +299,7 @@ def test_compress_auto_in_a_link_bound_simulation_sends_int8_windows_and_ends_wi
         runs[compress] = ako.simulate(config)
     auto, none = runs["auto"].summary, runs["none"].summary
     assert (auto["compress"], none["compress"]) == ("int8", "none")
-    assert none["partitions_reason"].startswith("link-bound") and "windows as int8" in auto["partitions_reason"]
+    assert none["partitions_reason"].startswith("link-bound") and "takes int8 windows" in auto["partitions_reason"]
     assert torch.equal(runs["auto"].workers[0].params, runs["auto"].workers[2].params)
     plain = ako.simulate(small_config(tmp_path / "sgd", strategy="ako", workers=3, seconds_per_sample=1e-4, bandwidth="1Mbit"))
     assert plain.summary["compress"] == "none" and plain.summary["partitions_reason"].startswith("link-bound")

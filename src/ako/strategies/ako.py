@@ -629,9 +629,11 @@ def code_for(compress: str, budget: "Budget", exchange: str, n: int, numel: int)
     p, reason = budget.partitions(exchange, n, codec.nbytes(numel), numel)
     if compress != "auto" or not reason.startswith("link-bound"):
         return p, reason, codec
+    float32 = budget.wanted(exchange, n, codec.nbytes(numel), numel)
     codec = CODECS[AUTO_CODE]
     p, reason = budget.partitions(exchange, n, codec.nbytes(numel), numel)
-    return p, f"{reason}; windows as {AUTO_CODE} (--compress auto: float32 would be link-bound)", codec
+    return p, (f"{reason}; the bytes are {AUTO_CODE}'s: --compress auto takes {AUTO_CODE} windows, as float32 ones "
+               f"would be link-bound (p = {float32} > {budget.cap})"), codec
 
 
 def measure_budget(ctx, floor: int = 1, cap: int = P_MAX):
@@ -719,6 +721,11 @@ class Budget:
     floor: int = 1
     cap: int = P_MAX
 
+    def wanted(self, exchange: str, n: int, grad_bytes: int, numel: int) -> int:
+        """The fewest partitions whose bytes a step fit B x T_step, uncapped (`partitions`)."""
+        need = (n - 1) * grad_bytes if exchange == "all-to-all" else 2 * (n - 1) * grad_bytes / n
+        return auto_partitions(need, self.bandwidth, self.step_time, numel)
+
     def partitions(self, exchange: str, n: int, grad_bytes: int, numel: int) -> tuple[int, str]:
         """p for `exchange`: (n-1) x G / p bytes a step all-to-all, 2 (n-1)/n x G / p on the
         ring must fit B x T_step; at least `floor`, at most `cap`. Returns (p, why)."""
@@ -726,7 +733,7 @@ class Budget:
         floor = min(self.floor, numel)
         if math.isinf(self.bandwidth):
             return floor, f"auto: the link is free (a simulated link without --bandwidth), so p = 1{raised(floor)}"
-        wanted = auto_partitions(need, self.bandwidth, self.step_time, numel)
+        wanted = self.wanted(exchange, n, grad_bytes, numel)
         p = min(max(wanted, floor), self.cap)
         what = "(n-1) x gradient" if exchange == "all-to-all" else "2 (n-1)/n x gradient (ring)"
         b, t = self.bandwidth, self.step_time
