@@ -299,6 +299,8 @@ def test_compress_auto_in_a_link_bound_simulation_sends_int8_windows_and_ends_wi
         runs[compress] = ako.simulate(config)
     auto, none = runs["auto"].summary, runs["none"].summary
     assert (auto["compress"], none["compress"]) == ("int8", "none")
+    assert (auto["windows"], none["windows"]) == ("deltas with an outer step (lr 0.8, momentum 0.6), sent as int8",
+                                                  "deltas with an outer step (lr 0.8, momentum 0.6)")  # fmt: skip
     assert none["partitions_reason"].startswith("link-bound") and "takes int8 windows" in auto["partitions_reason"]
     assert torch.equal(runs["auto"].workers[0].params, runs["auto"].workers[2].params)
     plain = ako.simulate(small_config(tmp_path / "sgd", strategy="ako", workers=3, seconds_per_sample=1e-4, bandwidth="1Mbit"))

@@ -116,6 +116,7 @@ def worker(ctx):
     steps, unflushed = yield from run(ctx, parts, s, codec)
     update, (lr, momentum) = form(ctx.config)
     windows = update if (lr, momentum) == PLAIN_SWAP else f"{update} with an outer step (lr {lr:g}, momentum {momentum:g})"
+    windows += f", sent as {codec.name}" if codec.lossy else ""
     facts = {"steps": steps, "exchange": exchange, "partitions": p, "partitions_reason": reason, "staleness_bound": s,
              "windows": windows, "compress": codec.name}
     if ctx.rank == 0:
