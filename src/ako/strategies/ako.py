@@ -623,9 +623,9 @@ def code_for(compress: str, budget: "Budget", exchange: str, n: int, numel: int)
     """p = auto, why, and the windows' code for `--compress` (p from the code's bytes: a window
     travels coded). `auto` is float32 where it fits the link within p's cap, else AUTO_CODE:
     a link-bound step waits for its window, and int8's 1.03 bytes a value (INTELLECT-1's code)
-    cut that wait to about a quarter (simulated, the small gpt at 64 workers on 10 Mbit/s: 19.3 s
-    to the target against 46.9 s at float32 and 36.2 s at bf16; docs/results.md, "Ako against
-    DiLoCo")."""
+    cut that wait to about a quarter (simulated, the small gpt at 64 workers on 10 Mbit/s: 13.5 s
+    to the target with s = 2 against 46.9 s at float32, and at s = 1 19.3 s against bf16's 36.2;
+    docs/results.md, "Ako against DiLoCo")."""
     codec = CODECS["none" if compress == "auto" else compress]
     p, reason = budget.partitions(exchange, n, codec.nbytes(numel), numel)
     if compress != "auto" or not reason.startswith("link-bound"):
