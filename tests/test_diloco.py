@@ -323,6 +323,20 @@ def test_compressed_streaming_is_alike_in_both_runtimes(tmp_path, compress, dela
         assert a.facts["sync_log"].tolist() == [[3, 0], [6, 1], [9, 0], [12, 1]]
 
 
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_akos_compressed_ring_is_alike_in_both_runtimes(tmp_path, staleness):
+    """Ako's windows on the ring as int8 (an outer step: AdamW), 3 workers, p = 4: the same
+    replicas on real processes and simulated, at s = 1 and at s = 2, where each mean's second
+    half goes out a step after its first; every replica equal after the flush."""
+    config = small_config(tmp_path, strategy="ako", workers=3, train_samples=3 * 16 * 12, epochs=1.0, partitions=4,
+                          staleness=staleness, compress="int8", **ADAMW)  # fmt: skip
+    plain, simulated = both_runtimes(config)
+    assert plain.summary["compress"] == simulated.summary["compress"] == "int8"
+    for a, b in zip(plain.workers, simulated.workers, strict=True):
+        torch.testing.assert_close(b.params, a.params, rtol=0, atol=1e-5)
+        torch.testing.assert_close(a.params, plain.workers[0].params, rtol=0, atol=1e-6)
+
+
 def test_options_outside_torchfts_constraints_are_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"sync_every 10: must be a multiple of fragments \(4\)"):
         ako.train(small_config(tmp_path, strategy="streaming-diloco", sync_every=10, fragments=4))
