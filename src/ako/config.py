@@ -325,7 +325,7 @@ def validate(config: TrainConfig, simulated: bool = False, given: frozenset[str]
     _validate_training(c)
     allowed: dict[str, tuple] = {}  # every strategy's choices of each option (the run's own checks its own: `Option.resolve`)
     for option in (o for s in REGISTRY.values() for o in s.options if o.choices):
-        allowed[option.name] = allowed.get(option.name, ()) + tuple(x for x in option.choices if x not in allowed.get(option.name, ()))
+        allowed[option.name] = tuple(dict.fromkeys(allowed.get(option.name, ()) + option.choices))
     for name, choices in allowed.items():
         if getattr(c, name) is not None:
             choice(name, getattr(c, name), choices)
